@@ -1,20 +1,727 @@
-"""Model geometry for LoRA validation (work in progress)."""
+"""Model geometry: the shapes of the linear projections an adapter may target.
 
+Two model families are described:
+
+* :class:`Qwen35Config` -- the Qwen3.5 hybrid decoder (dense and mixture-of-experts),
+  read from a Hugging Face ``config.json`` in either the flat text form
+  (``model_type`` ``qwen3_5_text`` / ``qwen3_5_moe_text``) or the nested multimodal
+  form (``qwen3_5`` / ``qwen3_5_moe``, text fields under ``text_config``).
+* :class:`BertConfig` -- a BERT encoder, from a ``config.json`` or three numbers.
+
+Both expose ``projection_shape(layer_idx, module) -> (d_in, d_out)``, which is what
+``LoraAdapter.validate_against`` compares every adapter layer with.
+
+Required fields and defaults
+----------------------------
+Every field that determines a projection shape is *required*: ``hidden_size``,
+``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
+the five ``linear_*`` fields, ``intermediate_size`` (dense models) and ``num_experts``,
+``num_experts_per_tok``, ``moe_intermediate_size``, ``shared_expert_intermediate_size``
+(MoE models). The ``transformers`` configuration classes give each of these a default
+taken from one particular checkpoint (for instance ``head_dim=256`` and
+``linear_num_value_heads=32``, the 9B values, or 35B-A3B values for MoE); filling a
+missing size that way would validate adapters against a model that is not the one being
+served, so a missing size is an error here instead.
+
+``head_dim`` in particular is *not* derived. The ``transformers`` attention module falls
+back to ``hidden_size // num_attention_heads`` only when its config object lacks the
+attribute, which never happens, because the config class itself defaults ``head_dim`` to
+256. The two possible "defaults" disagree (e.g. 1024 // 8 = 128 for the 0.8B model whose
+real ``head_dim`` is 256), so neither is guessed.
+
+Only two things have defaults, both as in ``transformers`` and the specification:
+``layer_types`` (derived from ``full_attention_interval``, which defaults to 4) and
+``tie_word_embeddings`` (``False``; it does not affect any projection shape). Unknown
+extra fields are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from .errors import LoraValidationError
+
+__all__ = [
+    "Qwen35Config",
+    "BertConfig",
+    "load_model_config",
+    "QWEN35_FULL_ATTENTION_MODULES",
+    "QWEN35_LINEAR_ATTENTION_MODULES",
+    "QWEN35_MLP_MODULES",
+    "QWEN35_MODULES",
+    "BERT_MODULES",
+    "FULL_ATTENTION",
+    "LINEAR_ATTENTION",
+    "LEGACY_LAYER_TYPE_NAMES",
+]
+
+#: Projections of a Qwen3.5 full (gated softmax) attention layer.
+QWEN35_FULL_ATTENTION_MODULES: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: Projections of a Qwen3.5 linear-attention (Gated DeltaNet) layer.
+QWEN35_LINEAR_ATTENTION_MODULES: Tuple[str, ...] = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "out_proj",
+)
+#: Projections of the dense MLP present on every layer of a dense Qwen3.5 model.
+QWEN35_MLP_MODULES: Tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+#: Every Qwen3.5 module name, in table order.
+QWEN35_MODULES: Tuple[str, ...] = (
+    QWEN35_FULL_ATTENTION_MODULES + QWEN35_LINEAR_ATTENTION_MODULES + QWEN35_MLP_MODULES
+)
+#: Projections of a BERT encoder layer.
+BERT_MODULES: Tuple[str, ...] = (
+    "query",
+    "key",
+    "value",
+    "attn_output",
+    "ffn_intermediate",
+    "ffn_output",
+)
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+#: Older layer-type spellings and the names they mean.
+LEGACY_LAYER_TYPE_NAMES = {"attention": FULL_ATTENTION, "mamba": LINEAR_ATTENTION}
+
+_DENSE_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+_MOE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
+_FLAT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+_NESTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+_QWEN35_MODEL_TYPES = _FLAT_MODEL_TYPES + _NESTED_MODEL_TYPES
+
+_LAYER_TYPE_DESCRIPTION = {
+    FULL_ATTENTION: "full-attention",
+    LINEAR_ATTENTION: "linear-attention (Gated DeltaNet)",
+}
+
+# Shape-determining fields, in constructor order.
+_QWEN35_CORE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+_QWEN35_MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 
 
-@dataclass(frozen=True)
+# --------------------------------------------------------------------------- helpers
+
+
+def _describe(value: Any) -> str:
+    """A short description of a value for error messages: its type and repr."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _positive_int(value: Any, field: str, where: str) -> int:
+    """Return ``value`` as a plain ``int`` if it is an integer > 0, else raise.
+
+    ``bool`` is refused even though it is an ``int`` subclass, and so are floats with
+    integral values (``1024.0``): a size written as anything but an integer is a sign
+    of a damaged or hand-edited file.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise LoraValidationError(
+            f"{where}: field '{field}' must be a positive integer, found {_describe(value)}"
+        )
+    value = int(value)
+    if value <= 0:
+        raise LoraValidationError(
+            f"{where}: field '{field}' must be a positive integer, found {value}"
+        )
+    return value
+
+
+def _bool(value: Any, field: str, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise LoraValidationError(
+            f"{where}: field '{field}' must be true or false, found {_describe(value)}"
+        )
+    return value
+
+
+def _check_layer_index(layer_idx: Any, num_hidden_layers: int, module: Any, where: str) -> int:
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+        raise TypeError(
+            f"{where}: layer index must be an int, found {_describe(layer_idx)} "
+            f"(module {module!r})"
+        )
+    layer_idx = int(layer_idx)
+    if not 0 <= layer_idx < num_hidden_layers:
+        raise LoraValidationError(
+            f"{where}: layer {layer_idx}, module {module!r}: layer index out of range; "
+            f"the model has {num_hidden_layers} layers (0..{num_hidden_layers - 1})"
+        )
+    return layer_idx
+
+
+def _check_module_type(module: Any, layer_idx: Any, where: str) -> str:
+    if not isinstance(module, str):
+        raise TypeError(
+            f"{where}: module name must be a str, found {_describe(module)} (layer {layer_idx})"
+        )
+    return module
+
+
+def _read_json_config(path: Any) -> dict:
+    """Read a ``config.json`` (or the ``config.json`` inside a model directory)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"config path must be a str or os.PathLike, found {_describe(path)}")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path, "r", encoding="utf-8") as handle:
+        try:
+            data = json.load(handle)
+        except json.JSONDecodeError as exc:
+            raise LoraValidationError(f"model config {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise LoraValidationError(
+            f"model config {path!r}: expected a JSON object at the top level, "
+            f"found {type(data).__name__}"
+        )
+    return data
+
+
+def _normalize_layer_types(
+    layer_types: Any, num_hidden_layers: int, field: str, where: str
+) -> Tuple[str, ...]:
+    """Validate an explicit ``layer_types`` list and map legacy names to current ones."""
+    if isinstance(layer_types, (str, bytes)) or not isinstance(layer_types, (list, tuple)):
+        raise LoraValidationError(
+            f"{where}: field '{field}' must be a list of layer type names, "
+            f"found {_describe(layer_types)}"
+        )
+    if len(layer_types) != num_hidden_layers:
+        raise LoraValidationError(
+            f"{where}: field '{field}' has {len(layer_types)} entries, expected "
+            f"num_hidden_layers = {num_hidden_layers}"
+        )
+    normalized = []
+    for i, name in enumerate(layer_types):
+        if isinstance(name, str):
+            name = LEGACY_LAYER_TYPE_NAMES.get(name, name)
+        if name not in (FULL_ATTENTION, LINEAR_ATTENTION):
+            raise LoraValidationError(
+                f"{where}: field '{field}[{i}]' must be one of 'full_attention', "
+                f"'linear_attention' (or the legacy 'attention', 'mamba'), "
+                f"found {_describe(layer_types[i])}"
+            )
+        normalized.append(name)
+    return tuple(normalized)
+
+
+def _interval_layer_types(num_hidden_layers: int, interval: int) -> Tuple[str, ...]:
+    """Layer ``i`` is full attention when ``(i + 1) % interval == 0``."""
+    return tuple(
+        FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+        for i in range(num_hidden_layers)
+    )
+
+
+def _validated_qwen35_fields(values: Mapping, prefix: str, where: str) -> dict:
+    """Check and normalize the constructor arguments of :class:`Qwen35Config`.
+
+    ``values`` holds every constructor argument (``None`` for "not given"). ``prefix``
+    is prepended to field names in messages (``"text_config."`` for the nested form).
+    Returns a new dict of normalized values.
+    """
+    out: dict = {}
+
+    def required(name: str) -> int:
+        value = values.get(name)
+        if value is None:
+            raise LoraValidationError(
+                f"{where}: required field '{prefix}{name}' is missing; lorahook does not "
+                f"guess model sizes"
+            )
+        return _positive_int(value, prefix + name, where)
+
+    for name in _QWEN35_CORE_FIELDS:
+        out[name] = required(name)
+
+    if out["num_attention_heads"] % out["num_key_value_heads"] != 0:
+        raise LoraValidationError(
+            f"{where}: field '{prefix}num_attention_heads' ({out['num_attention_heads']}) "
+            f"must be a multiple of '{prefix}num_key_value_heads' "
+            f"({out['num_key_value_heads']})"
+        )
+    if out["linear_num_value_heads"] % out["linear_num_key_heads"] != 0:
+        raise LoraValidationError(
+            f"{where}: field '{prefix}linear_num_value_heads' "
+            f"({out['linear_num_value_heads']}) must be a multiple of "
+            f"'{prefix}linear_num_key_heads' ({out['linear_num_key_heads']})"
+        )
+
+    is_moe = values.get("num_experts") is not None
+    if is_moe:
+        for name in _QWEN35_MOE_FIELDS:
+            out[name] = required(name)
+        if out["num_experts_per_tok"] > out["num_experts"]:
+            raise LoraValidationError(
+                f"{where}: field '{prefix}num_experts_per_tok' ({out['num_experts_per_tok']}) "
+                f"must not exceed '{prefix}num_experts' ({out['num_experts']})"
+            )
+        if values.get("intermediate_size") is not None:
+            raise LoraValidationError(
+                f"{where}: field '{prefix}intermediate_size' must be None for a "
+                f"mixture-of-experts model (it has no dense MLP), found "
+                f"{_describe(values['intermediate_size'])}"
+            )
+        out["intermediate_size"] = None
+    else:
+        for name in _QWEN35_MOE_FIELDS:
+            if values.get(name) is not None:
+                raise LoraValidationError(
+                    f"{where}: field '{prefix}{name}' is set but '{prefix}num_experts' is "
+                    f"not; a mixture-of-experts model needs num_experts"
+                )
+            out[name] = None
+        out["intermediate_size"] = required("intermediate_size")
+
+    interval = values.get("full_attention_interval")
+    out["full_attention_interval"] = (
+        4 if interval is None else _positive_int(interval, prefix + "full_attention_interval", where)
+    )
+    layer_types = values.get("layer_types")
+    if layer_types is None:
+        out["layer_types"] = _interval_layer_types(
+            out["num_hidden_layers"], out["full_attention_interval"]
+        )
+    else:
+        out["layer_types"] = _normalize_layer_types(
+            layer_types, out["num_hidden_layers"], prefix + "layer_types", where
+        )
+
+    tie = values.get("tie_word_embeddings")
+    out["tie_word_embeddings"] = False if tie is None else _bool(tie, "tie_word_embeddings", where)
+    return out
+
+
+# --------------------------------------------------------------------------- Qwen3.5
+
+
+@dataclass(frozen=True, repr=False)
 class Qwen35Config:
-    """Geometry of a Qwen3.5 text model."""
+    """Geometry of a Qwen3.5 text decoder (dense or mixture-of-experts).
+
+    Build one with :meth:`from_dict` / :meth:`from_json` from a Hugging Face
+    ``config.json``, or directly with keyword arguments named as in that file. Passing
+    ``num_experts`` makes a mixture-of-experts model (which then needs
+    ``num_experts_per_tok``, ``moe_intermediate_size`` and
+    ``shared_expert_intermediate_size`` and must not have ``intermediate_size``);
+    otherwise ``intermediate_size`` is required.
+
+    ``layer_types`` may be given explicitly (legacy names ``attention`` and ``mamba``
+    are accepted and stored as ``full_attention`` / ``linear_attention``); when it is
+    omitted, layer ``i`` is full attention when ``(i + 1) % full_attention_interval ==
+    0``. An explicit ``layer_types`` takes precedence over ``full_attention_interval``.
+
+    Instances are immutable, hashable, picklable and compare by value. Invalid values
+    raise :class:`~lorahook.LoraValidationError` naming the field.
+    """
 
     hidden_size: int
     num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    intermediate_size: Optional[int] = None
+    layer_types: Optional[Tuple[str, ...]] = None
+    full_attention_interval: int = 4
+    num_experts: Optional[int] = None
+    num_experts_per_tok: Optional[int] = None
+    moe_intermediate_size: Optional[int] = None
+    shared_expert_intermediate_size: Optional[int] = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        for name, value in _validated_qwen35_fields(values, "", "Qwen35Config").items():
+            object.__setattr__(self, name, value)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_dict(cls, config: Mapping) -> "Qwen35Config":
+        """Build from a parsed Hugging Face ``config.json``.
+
+        Accepts the flat text form (``model_type`` ``qwen3_5_text`` or
+        ``qwen3_5_moe_text``) and the nested multimodal form (``qwen3_5`` or
+        ``qwen3_5_moe``, text fields under ``text_config``; a top-level
+        ``tie_word_embeddings`` overrides the one in ``text_config``). Without a
+        ``model_type`` the form is inferred: nested when ``text_config`` is present,
+        mixture-of-experts when ``num_experts`` is present. Unknown fields are ignored.
+        """
+        if not isinstance(config, Mapping):
+            raise TypeError(f"Qwen35Config.from_dict: expected a mapping, found {_describe(config)}")
+        where = "Qwen3.5 config"
+        model_type = config.get("model_type")
+        if model_type is not None and model_type not in _QWEN35_MODEL_TYPES:
+            raise LoraValidationError(
+                f"{where}: field 'model_type' must be one of {', '.join(_QWEN35_MODEL_TYPES)}, "
+                f"found {_describe(model_type)}"
+            )
+
+        nested = model_type in _NESTED_MODEL_TYPES or (
+            model_type is None and "text_config" in config
+        )
+        if nested:
+            text = config.get("text_config")
+            if text is None:
+                raise LoraValidationError(
+                    f"{where}: required field 'text_config' is missing (model_type "
+                    f"{model_type!r} keeps the text model's fields under text_config)"
+                )
+            if not isinstance(text, Mapping):
+                raise LoraValidationError(
+                    f"{where}: field 'text_config' must be an object, found {_describe(text)}"
+                )
+            prefix = "text_config."
+            text_model_type = text.get("model_type")
+            if text_model_type is not None and text_model_type not in _FLAT_MODEL_TYPES:
+                raise LoraValidationError(
+                    f"{where}: field 'text_config.model_type' must be one of "
+                    f"{', '.join(_FLAT_MODEL_TYPES)}, found {_describe(text_model_type)}"
+                )
+            if model_type is not None and text_model_type is not None:
+                if text_model_type != model_type + "_text":
+                    raise LoraValidationError(
+                        f"{where}: field 'text_config.model_type' is {text_model_type!r}, "
+                        f"which does not match model_type {model_type!r} (expected "
+                        f"{model_type + '_text'!r})"
+                    )
+            kind = model_type if model_type is not None else text_model_type
+        else:
+            text = config
+            prefix = ""
+            kind = model_type
+
+        if kind is None:
+            is_moe = text.get("num_experts") is not None
+        else:
+            is_moe = kind in _MOE_MODEL_TYPES
+
+        values = {name: text.get(name) for name in _QWEN35_CORE_FIELDS}
+        values["layer_types"] = text.get("layer_types")
+        values["full_attention_interval"] = text.get("full_attention_interval")
+        if is_moe:
+            for name in _QWEN35_MOE_FIELDS:
+                values[name] = text.get(name)
+            if values["num_experts"] is None:
+                raise LoraValidationError(
+                    f"{where}: required field '{prefix}num_experts' is missing; "
+                    f"lorahook does not guess model sizes"
+                )
+            # A dense ``intermediate_size`` in a MoE file describes no layer; ignore it.
+        else:
+            values["intermediate_size"] = text.get("intermediate_size")
+            # MoE fields in a dense file describe no layer; ignore them.
+
+        tie = config.get("tie_word_embeddings") if nested else None
+        if tie is None:
+            tie = text.get("tie_word_embeddings")
+        values["tie_word_embeddings"] = tie
+
+        normalized = _validated_qwen35_fields(values, prefix, where)
+        return cls(**normalized)
+
+    @classmethod
+    def from_json(cls, path: "str | os.PathLike") -> "Qwen35Config":
+        """Read a ``config.json`` file (or the ``config.json`` in a model directory)."""
+        return cls.from_dict(_read_json_config(path))
+
+    def to_dict(self) -> dict:
+        """The flat text-model ``config.json`` fields (``qwen3_5_text`` or
+        ``qwen3_5_moe_text``) that :meth:`from_dict` reads back to an equal config."""
+        out: dict = {"model_type": "qwen3_5_moe_text" if self.is_moe else "qwen3_5_text"}
+        for name in _QWEN35_CORE_FIELDS:
+            out[name] = getattr(self, name)
+        if self.is_moe:
+            for name in _QWEN35_MOE_FIELDS:
+                out[name] = getattr(self, name)
+        else:
+            out["intermediate_size"] = self.intermediate_size
+        out["full_attention_interval"] = self.full_attention_interval
+        out["layer_types"] = list(self.layer_types)
+        out["tie_word_embeddings"] = self.tie_word_embeddings
+        return out
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLP of every layer is a mixture of experts."""
+        return self.num_experts is not None
+
+    @property
+    def known_modules(self) -> Tuple[str, ...]:
+        """Every module name an adapter may target on this model (any layer type).
+
+        MLP names are absent on a mixture-of-experts model.
+        """
+        if self.is_moe:
+            return QWEN35_FULL_ATTENTION_MODULES + QWEN35_LINEAR_ATTENTION_MODULES
+        return QWEN35_MODULES
+
+    @property
+    def full_attention_layers(self) -> Tuple[int, ...]:
+        """Indices of the full-attention layers, ascending."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def linear_attention_layers(self) -> Tuple[int, ...]:
+        """Indices of the linear-attention (Gated DeltaNet) layers, ascending."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    def layer_type(self, layer_idx: int) -> str:
+        """``'full_attention'`` or ``'linear_attention'`` for layer ``layer_idx``.
+
+        Raises :class:`~lorahook.LoraValidationError` for an index out of range.
+        """
+        i = _check_layer_index(layer_idx, self.num_hidden_layers, None, "Qwen35Config")
+        return self.layer_types[i]
+
+    def is_full_attention(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` is a full-attention layer (else linear attention)."""
+        return self.layer_type(layer_idx) == FULL_ATTENTION
+
+    def modules_for_layer(self, layer_idx: int) -> Tuple[str, ...]:
+        """The module names addressable on layer ``layer_idx``."""
+        if self.is_full_attention(layer_idx):
+            attention = QWEN35_FULL_ATTENTION_MODULES
+        else:
+            attention = QWEN35_LINEAR_ATTENTION_MODULES
+        return attention if self.is_moe else attention + QWEN35_MLP_MODULES
+
+    def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
+        """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx``.
+
+        Raises :class:`~lorahook.LoraValidationError` (naming the layer and module and
+        saying why) for a layer index out of range, an unknown module, an attention
+        module on the other layer type, or an MLP module on a mixture-of-experts model;
+        ``TypeError`` for an index that is not an int or a module that is not a str.
+        """
+        where = "Qwen35Config"
+        module = _check_module_type(module, layer_idx, where)
+        layer_idx = _check_layer_index(layer_idx, self.num_hidden_layers, module, where)
+        head = f"{where}: layer {layer_idx}, module {module!r}"
+
+        if module not in QWEN35_MODULES:
+            hint = " (that is a BERT module name)" if module in BERT_MODULES else ""
+            raise LoraValidationError(
+                f"{head}: unknown module for Qwen3.5{hint}; known modules are "
+                f"{', '.join(self.known_modules)}"
+            )
+
+        H = self.hidden_size
+        if module in QWEN35_MLP_MODULES:
+            if self.is_moe:
+                raise LoraValidationError(
+                    f"{head}: this is a mixture-of-experts model ({self.num_experts} experts), "
+                    f"which has no dense MLP; its experts are not linear layers, and the "
+                    f"shared-expert projections are not addressed by the module names "
+                    f"{', '.join(QWEN35_MLP_MODULES)}"
+                )
+            I = self.intermediate_size
+            return (I, H) if module == "down_proj" else (H, I)
+
+        layer_type = self.layer_types[layer_idx]
+        wanted = FULL_ATTENTION if module in QWEN35_FULL_ATTENTION_MODULES else LINEAR_ATTENTION
+        if layer_type != wanted:
+            own = (
+                QWEN35_FULL_ATTENTION_MODULES
+                if layer_type == FULL_ATTENTION
+                else QWEN35_LINEAR_ATTENTION_MODULES
+            )
+            raise LoraValidationError(
+                f"{head}: {module} is a {_LAYER_TYPE_DESCRIPTION[wanted]} projection, but "
+                f"layer {layer_idx} is a {_LAYER_TYPE_DESCRIPTION[layer_type]} layer, whose "
+                f"attention modules are {', '.join(own)}"
+            )
+
+        h = self.head_dim
+        if module == "q_proj":
+            # Query and output gate, interleaved per head.
+            return (H, 2 * self.num_attention_heads * h)
+        if module in ("k_proj", "v_proj"):
+            return (H, self.num_key_value_heads * h)
+        if module == "o_proj":
+            return (self.num_attention_heads * h, H)
+
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        if module == "in_proj_qkv":
+            return (H, 2 * key_dim + value_dim)
+        if module == "in_proj_z":
+            return (H, value_dim)
+        if module in ("in_proj_b", "in_proj_a"):
+            # One scalar per *value* head (never per key head).
+            return (H, self.linear_num_value_heads)
+        # out_proj
+        return (value_dim, H)
+
+    def __repr__(self) -> str:
+        parts = [f"{name}={getattr(self, name)}" for name in _QWEN35_CORE_FIELDS]
+        if self.is_moe:
+            parts += [f"{name}={getattr(self, name)}" for name in _QWEN35_MOE_FIELDS]
+        else:
+            parts.append(f"intermediate_size={self.intermediate_size}")
+        parts.append(f"full_attention_layers={list(self.full_attention_layers)}")
+        parts.append(f"tie_word_embeddings={self.tie_word_embeddings}")
+        return f"Qwen35Config({', '.join(parts)})"
+
+
+# --------------------------------------------------------------------------- BERT
 
 
 @dataclass(frozen=True)
 class BertConfig:
-    """Geometry of a BERT encoder."""
+    """Geometry of a BERT encoder.
+
+    Projections (``H`` = ``hidden_size``, ``I`` = ``intermediate_size``): ``query``,
+    ``key``, ``value``, ``attn_output`` are H→H, ``ffn_intermediate`` H→I, ``ffn_output``
+    I→H, on every layer. Immutable, hashable, picklable, compared by value.
+    """
 
     num_hidden_layers: int
     hidden_size: int
     intermediate_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_hidden_layers", "hidden_size", "intermediate_size"):
+            object.__setattr__(self, name, _positive_int(getattr(self, name), name, "BertConfig"))
+
+    @classmethod
+    def from_dict(cls, config: Mapping) -> "BertConfig":
+        """Build from a parsed BERT ``config.json`` (``model_type`` ``bert`` or absent).
+
+        ``num_hidden_layers``, ``hidden_size`` and ``intermediate_size`` are required;
+        other fields are ignored.
+        """
+        if not isinstance(config, Mapping):
+            raise TypeError(f"BertConfig.from_dict: expected a mapping, found {_describe(config)}")
+        where = "BERT config"
+        model_type = config.get("model_type")
+        if model_type is not None and model_type != "bert":
+            raise LoraValidationError(
+                f"{where}: field 'model_type' must be 'bert', found {_describe(model_type)}"
+            )
+        values = {}
+        for name in ("num_hidden_layers", "hidden_size", "intermediate_size"):
+            value = config.get(name)
+            if value is None:
+                raise LoraValidationError(
+                    f"{where}: required field '{name}' is missing; lorahook does not guess "
+                    f"model sizes"
+                )
+            values[name] = _positive_int(value, name, where)
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: "str | os.PathLike") -> "BertConfig":
+        """Read a BERT ``config.json`` file (or the one in a model directory)."""
+        return cls.from_dict(_read_json_config(path))
+
+    def to_dict(self) -> dict:
+        """The ``config.json`` fields that :meth:`from_dict` reads back."""
+        return {
+            "model_type": "bert",
+            "num_hidden_layers": self.num_hidden_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+        }
+
+    @property
+    def known_modules(self) -> Tuple[str, ...]:
+        """Every module name an adapter may target on a BERT encoder."""
+        return BERT_MODULES
+
+    def modules_for_layer(self, layer_idx: int) -> Tuple[str, ...]:
+        """The module names addressable on layer ``layer_idx`` (the same on every layer)."""
+        _check_layer_index(layer_idx, self.num_hidden_layers, None, "BertConfig")
+        return BERT_MODULES
+
+    def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
+        """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx``.
+
+        Raises :class:`~lorahook.LoraValidationError` for a layer index out of range or
+        an unknown module; ``TypeError`` for arguments of the wrong type.
+        """
+        where = "BertConfig"
+        module = _check_module_type(module, layer_idx, where)
+        layer_idx = _check_layer_index(layer_idx, self.num_hidden_layers, module, where)
+        H, I = self.hidden_size, self.intermediate_size
+        if module in ("query", "key", "value", "attn_output"):
+            return (H, H)
+        if module == "ffn_intermediate":
+            return (H, I)
+        if module == "ffn_output":
+            return (I, H)
+        hint = " (that is a Qwen3.5 module name)" if module in QWEN35_MODULES else ""
+        raise LoraValidationError(
+            f"{where}: layer {layer_idx}, module {module!r}: unknown module for BERT{hint}; "
+            f"known modules are {', '.join(BERT_MODULES)}"
+        )
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def load_model_config(path_or_dict: Any) -> "Qwen35Config | BertConfig":
+    """Build the right geometry for a model ``config.json``.
+
+    ``path_or_dict`` is a parsed config (a mapping), a path to a ``config.json``, or a
+    model directory containing one. ``model_type`` chooses: ``qwen3_5``,
+    ``qwen3_5_text``, ``qwen3_5_moe``, ``qwen3_5_moe_text`` give a
+    :class:`Qwen35Config`, ``bert`` a :class:`BertConfig`. An existing
+    :class:`Qwen35Config` or :class:`BertConfig` is returned unchanged.
+    """
+    if isinstance(path_or_dict, (Qwen35Config, BertConfig)):
+        return path_or_dict
+    if isinstance(path_or_dict, Mapping):
+        config = path_or_dict
+        source = "model config"
+    else:
+        config = _read_json_config(path_or_dict)
+        source = f"model config {os.fspath(path_or_dict)!r}"
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise LoraValidationError(
+            f"{source}: required field 'model_type' is missing; expected one of "
+            f"{', '.join(_QWEN35_MODEL_TYPES)}, bert"
+        )
+    if model_type in _QWEN35_MODEL_TYPES:
+        return Qwen35Config.from_dict(config)
+    if model_type == "bert":
+        return BertConfig.from_dict(config)
+    raise LoraValidationError(
+        f"{source}: unsupported model_type {_describe(model_type)}; expected one of "
+        f"{', '.join(_QWEN35_MODEL_TYPES)}, bert"
+    )
