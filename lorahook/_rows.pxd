@@ -1,0 +1,27 @@
+# Declarations of the compiled core shared between its .pyx and any other
+# Cython module that wants the kernels.
+
+cdef struct Segment:
+    # One adapter layer applied to a set of rows of one projection.
+    const float *a          # (rank, d_in), row-major
+    const float *b          # (d_out, rank), row-major
+    const float *bias       # (d_out,) or NULL
+    int rank
+    float scale             # used when row_scales is NULL
+    const int *rows         # row indices, ascending; NULL means rows 0..n_rows-1
+    const float *row_scales # one scale per entry of rows, or NULL
+    Py_ssize_t n_rows
+
+
+cdef class LayerKernel:
+    """The compiled view of one validated adapter layer (read-only arrays)."""
+    cdef const float[:, ::1] a
+    cdef const float[:, ::1] b
+    cdef const float[::1] bias
+    cdef readonly int rank
+    cdef readonly int d_in
+    cdef readonly int d_out
+    cdef readonly float scale
+    cdef bint has_bias
+
+    cdef void fill(self, Segment *s) noexcept

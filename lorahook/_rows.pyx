@@ -1,0 +1,512 @@
+# cython: language_level=3
+"""The compiled core of lorahook: call checks and the GIL-free BLAS row kernels.
+
+Everything here works on raw float32 rows and adapter layers; it knows nothing
+about files, model geometry or adapter names.  The public entry point is
+``apply_lora_rows`` (re-exported by :mod:`lorahook`).
+
+Kernels
+-------
+For ``n`` rows through one adapter layer (``A`` is ``(rank, d_in)``, ``B`` is
+``(d_out, rank)``, both row-major) the update is ``Y += s * (X A^T) B^T``.
+
+* below the crossover (``get_gemm_crossover()`` rows) each row gets two
+  ``sgemv`` calls: ``t = A x`` then ``y += s * B t``;
+* at or above it, rows are processed in chunks with two ``sgemm`` calls,
+  ``T = X A^T`` into a per-thread scratch buffer, then ``Y += s * T B^T``
+  (beta = 1).  Rows that are not contiguous in the batch (the grouped
+  multi-adapter path) are gathered into scratch and scatter-added back.
+
+Row-major ``(m, n)`` data is column-major ``(n, m)`` for BLAS, so every call
+below uses ``'T'`` on the adapter matrices with their row length as the
+leading dimension.  Different paths may differ in the last bits of float32
+rounding: a row's result can depend on the batch it was computed in.
+"""
+
+cimport cython
+cimport numpy as cnp
+from libc.string cimport memcpy
+from libc.limits cimport INT_MAX
+from scipy.linalg.cython_blas cimport sgemm, sgemv, saxpy, sscal
+
+import operator
+
+cnp.import_array()
+
+cdef extern from *:
+    """
+    #include <pthread.h>
+    #include <stdlib.h>
+
+    /* A per-thread scratch buffer, reused across calls so that the batched
+       kernels do not page-fault on a fresh temporary every projection.  Freed
+       by the pthread key destructor when the thread exits. */
+    #define LORAHOOK_SCRATCH_CACHE_FLOATS ((size_t)1 << 20)
+
+    typedef struct { float *data; size_t len; } lorahook_buf;
+    static pthread_key_t lorahook_key;
+    static pthread_once_t lorahook_once = PTHREAD_ONCE_INIT;
+    static int lorahook_key_ok = 0;
+
+    static void lorahook_buf_free(void *p) {
+        lorahook_buf *b = (lorahook_buf *)p;
+        if (b != NULL) { free(b->data); free(b); }
+    }
+    static void lorahook_make_key(void) {
+        lorahook_key_ok = (pthread_key_create(&lorahook_key, lorahook_buf_free) == 0);
+    }
+    /* Returns a buffer of at least n floats, or NULL when out of memory.
+       *owned is set to 1 when the caller must free() it (requests larger
+       than the cache, or no thread-local storage available). */
+    static float *lorahook_scratch(size_t n, int *owned) {
+        lorahook_buf *b;
+        *owned = 0;
+        if (n == 0) n = 1;
+        pthread_once(&lorahook_once, lorahook_make_key);
+        if (!lorahook_key_ok || n > LORAHOOK_SCRATCH_CACHE_FLOATS) {
+            *owned = 1;
+            return (float *)malloc(n * sizeof(float));
+        }
+        b = (lorahook_buf *)pthread_getspecific(lorahook_key);
+        if (b == NULL) {
+            b = (lorahook_buf *)calloc(1, sizeof(lorahook_buf));
+            if (b == NULL) return NULL;
+            if (pthread_setspecific(lorahook_key, b) != 0) { free(b); *owned = 1;
+                return (float *)malloc(n * sizeof(float)); }
+        }
+        if (b->len < n) {
+            float *p = (float *)malloc(n * sizeof(float));
+            if (p == NULL) return NULL;
+            free(b->data);
+            b->data = p;
+            b->len = n;
+        }
+        return b->data;
+    }
+    #ifndef LORAHOOK_DEBUG_BUILD
+    #define LORAHOOK_DEBUG_BUILD 0
+    #endif
+    """
+    float *lorahook_scratch(size_t n, int *owned) noexcept nogil
+    size_t LORAHOOK_SCRATCH_CACHE_FLOATS
+    int LORAHOOK_DEBUG_BUILD
+
+from libc.stdlib cimport free
+
+#: True when the extension was built with bounds checking (LORAHOOK_CYTHON_DEBUG=1).
+DEBUG_BUILD = bool(LORAHOOK_DEBUG_BUILD)
+
+# Rows at or above which a single adapter segment uses the sgemm pair instead
+# of one sgemv pair per row.
+cdef Py_ssize_t _gemm_crossover = 8
+
+# Set by lorahook.hook at import: the abstract base every hook must derive from.
+cdef object _hook_base = None
+
+
+def _set_hook_base(cls):
+    global _hook_base
+    _hook_base = cls
+
+
+def get_gemm_crossover():
+    """Rows from which a batch through one adapter layer uses ``sgemm``."""
+    return _gemm_crossover
+
+
+def set_gemm_crossover(n):
+    """Set the row count from which the ``sgemm`` path is used (``n >= 1``).
+
+    ``1`` forces the batched path for every batch, a huge value forces the
+    row loop.  Returns the previous value.
+    """
+    global _gemm_crossover
+    n = _as_width(n, "n")
+    old = _gemm_crossover
+    _gemm_crossover = n
+    return old
+
+
+# ---------------------------------------------------------------------------
+# argument checks (with the GIL; explicit, so messages say what to fix)
+# ---------------------------------------------------------------------------
+
+cdef inline str _shape_str(cnp.ndarray arr):
+    return str((<object>arr).shape)
+
+
+cdef int _check_type(object arr, str name) except -1:
+    if not cnp.PyArray_Check(arr):
+        raise TypeError(
+            f"{name} must be a numpy.ndarray of dtype float32, got {type(arr).__name__}")
+    cdef cnp.ndarray a = <cnp.ndarray>arr
+    if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT32 or not cnp.PyArray_ISNOTSWAPPED(a):
+        raise TypeError(
+            f"{name} must have dtype float32 in native byte order, got {a.dtype.str} ({a.dtype})")
+    return 0
+
+
+cdef int _check_layout(cnp.ndarray a, str name, bint writable) except -1:
+    cdef int nd = cnp.PyArray_NDIM(a)
+    if nd != 1 and nd != 2:
+        raise ValueError(
+            f"{name} must be 1-D (flattened rows) or 2-D (rows, width), "
+            f"got {nd}-D with shape {_shape_str(a)}")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(a):
+        raise ValueError(
+            f"{name} must be C-contiguous, got shape {_shape_str(a)} with strides {(<object>a).strides}")
+    if writable and not cnp.PyArray_ISWRITEABLE(a):
+        raise ValueError(f"{name} must be writable, got a read-only array")
+    return 0
+
+
+cdef Py_ssize_t _as_width(object w, str name) except -1:
+    cdef Py_ssize_t v
+    if type(w) is not int:
+        if isinstance(w, bool) or not hasattr(type(w), "__index__"):
+            raise TypeError(f"{name} must be an int, got {type(w).__name__} ({w!r})")
+        w = operator.index(w)
+    if w <= 0:
+        raise ValueError(f"{name} must be > 0, got {w}")
+    if w > INT_MAX:
+        raise ValueError(f"{name} must be at most {INT_MAX} (a BLAS int), got {w}")
+    v = w
+    return v
+
+
+cdef Py_ssize_t _row_count(cnp.ndarray a, Py_ssize_t width, str name, str wname) except -1:
+    cdef Py_ssize_t size
+    if cnp.PyArray_NDIM(a) == 2:
+        if cnp.PyArray_DIM(a, 1) != width:
+            raise ValueError(
+                f"{name} of shape {_shape_str(a)} must have shape[1] == {wname} = {width}, "
+                f"got {cnp.PyArray_DIM(a, 1)}")
+        return cnp.PyArray_DIM(a, 0)
+    size = cnp.PyArray_DIM(a, 0)
+    if size % width != 0:
+        raise ValueError(
+            f"{name} must hold whole rows of {wname} = {width} values, "
+            f"got {size} values ({size // width} rows and {size % width} left over)")
+    return size // width
+
+
+cdef Py_ssize_t _check_call(object input, object output, object input_row_width,
+                            object output_row_width) except -1:
+    """The spec's call checks in order; returns the row count."""
+    _check_type(input, "input")
+    _check_type(output, "output")
+    cdef cnp.ndarray x = <cnp.ndarray>input
+    cdef cnp.ndarray y = <cnp.ndarray>output
+    _check_layout(x, "input", False)
+    _check_layout(y, "output", True)
+    cdef Py_ssize_t d_in = _as_width(input_row_width, "input_row_width")
+    cdef Py_ssize_t d_out = _as_width(output_row_width, "output_row_width")
+    cdef Py_ssize_t n_in = _row_count(x, d_in, "input", "input_row_width")
+    cdef Py_ssize_t n_out = _row_count(y, d_out, "output", "output_row_width")
+    if n_in != n_out:
+        raise ValueError(
+            f"input and output row counts must match: input has {n_in} rows of width {d_in}, "
+            f"output has {n_out} rows of width {d_out}")
+    cdef char *xs = <char *>cnp.PyArray_DATA(x)
+    cdef char *ys = <char *>cnp.PyArray_DATA(y)
+    cdef Py_ssize_t xb = n_in * d_in * <Py_ssize_t>sizeof(float)
+    cdef Py_ssize_t yb = n_out * d_out * <Py_ssize_t>sizeof(float)
+    if xb > 0 and yb > 0 and xs < ys + yb and ys < xs + xb:
+        raise ValueError("input and output must not overlap in memory, got overlapping buffers")
+    return n_in
+
+
+def check_rows(input, output, input_row_width, output_row_width):
+    """Run ``apply_lora_rows``' buffer checks and return the row count."""
+    return _check_call(input, output, input_row_width, output_row_width)
+
+
+def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, output_row_width):
+    """Add ``hook``'s LoRA delta to every row of ``output`` in place.
+
+    ``input`` holds the rows given to the base projection and ``output`` its
+    result, each a float32 C-contiguous ``ndarray``, either flattened 1-D
+    (``len == rows * width``) or 2-D ``(rows, width)``.  The call is checked
+    first, whatever the hook (``TypeError`` for types, dtypes and non-integer
+    widths; ``ValueError`` for ndim, contiguity, writability, widths, row
+    counts and a bound hook's row count); nothing is written when a check
+    fails.  Then ``hook.is_active(layer_idx, module)`` is asked once; an
+    inactive hook returns at once.  A :class:`~lorahook.LoraAdapter` or a bound
+    :class:`~lorahook.AdapterSet` batch runs in the compiled core with the GIL
+    released; any other hook gets one ``apply`` call per row, in row order.
+    """
+    if _hook_base is None or not isinstance(hook, _hook_base):
+        raise TypeError(f"hook must be a lorahook.LoraHook, got {type(hook).__name__}")
+    cdef Py_ssize_t n = _check_call(input, output, input_row_width, output_row_width)
+    bound = hook._bound_rows
+    if bound is not None and bound != n:
+        raise ValueError(
+            f"this hook was bound for a batch of {bound} rows, got {n} rows")
+    if type(layer_idx) is not int:
+        if isinstance(layer_idx, bool) or not hasattr(type(layer_idx), "__index__"):
+            raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__}")
+        layer_idx = operator.index(layer_idx)
+    if layer_idx < 0:
+        raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
+    if type(module) is not str:
+        raise TypeError(f"module must be a str, got {type(module).__name__}")
+    if not hook.is_active(layer_idx, module):
+        return
+    if n == 0:
+        return
+    hook._apply_rows(layer_idx, module, input, output,
+                     operator.index(input_row_width), operator.index(output_row_width), n)
+
+
+# ---------------------------------------------------------------------------
+# adapter layers
+# ---------------------------------------------------------------------------
+
+@cython.final
+cdef class LayerKernel:
+    """Typed views of one adapter layer's arrays, made once at construction.
+
+    ``a`` is ``(rank, d_in)``, ``b`` is ``(d_out, rank)``, ``bias`` is
+    ``(d_out,)`` or ``None``; all float32 C-contiguous.  The owning
+    :class:`~lorahook.LoraLayer` validates values; this class re-checks the
+    shapes it relies on so that no kernel can read past an array.
+    """
+
+    def __cinit__(self, a, b, scale, bias=None):
+        self.a = a
+        self.b = b
+        cdef Py_ssize_t rank = self.a.shape[0]
+        cdef Py_ssize_t d_in = self.a.shape[1]
+        cdef Py_ssize_t d_out = self.b.shape[0]
+        if self.b.shape[1] != rank:
+            raise ValueError(f"b must have shape (d_out, {rank}), got {self.b.shape[0], self.b.shape[1]}")
+        if d_in < 1 or d_out < 1:
+            raise ValueError(f"d_in and d_out must be >= 1, got ({d_in}, {d_out})")
+        if rank > INT_MAX or d_in > INT_MAX or d_out > INT_MAX:
+            raise ValueError(f"layer dimensions must each be at most {INT_MAX}")
+        self.rank = <int>rank
+        self.d_in = <int>d_in
+        self.d_out = <int>d_out
+        self.scale = <float>scale
+        self.has_bias = bias is not None
+        if self.has_bias:
+            self.bias = bias
+            if self.bias.shape[0] != d_out:
+                raise ValueError(f"bias must have shape ({d_out},), got ({self.bias.shape[0]},)")
+
+    def __reduce__(self):
+        raise TypeError("LayerKernel is rebuilt from its LoraLayer and does not pickle")
+
+    cdef void fill(self, Segment *s) noexcept:
+        s.a = &self.a[0, 0] if self.rank > 0 else NULL
+        s.b = &self.b[0, 0] if self.rank > 0 else NULL
+        s.bias = &self.bias[0] if self.has_bias else NULL
+        s.rank = self.rank
+        s.scale = self.scale
+        s.rows = NULL
+        s.row_scales = NULL
+        s.n_rows = 0
+
+
+# ---------------------------------------------------------------------------
+# kernels (no Python objects, no GIL)
+# ---------------------------------------------------------------------------
+
+cdef inline bint _rows_consecutive(const int *rows, Py_ssize_t start, Py_ssize_t count) noexcept nogil:
+    # rows are strictly ascending, so first/last tell whether they are a run
+    if rows == NULL:
+        return True
+    return rows[start + count - 1] - rows[start] == count - 1
+
+
+cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int d_out,
+                      Py_ssize_t crossover) noexcept nogil:
+    """Apply one segment; returns -1 when scratch memory cannot be had."""
+    cdef int rank = s.rank
+    cdef Py_ssize_t n = s.n_rows
+    if rank == 0 or n == 0:
+        return 0
+    cdef char tr = b'T'
+    cdef char nt = b'N'
+    cdef int one_i = 1
+    cdef float one = 1.0
+    cdef float zero = 0.0
+    cdef float alpha
+    cdef float *A = <float *>s.a  # BLAS signatures are not const-qualified; never written
+    cdef float *B = <float *>s.b
+    cdef float *bias = <float *>s.bias
+    cdef float *xr
+    cdef float *yr
+    cdef float *t
+    cdef float *scratch
+    cdef float *G
+    cdef float *D
+    cdef int owned = 0
+    cdef Py_ssize_t i, j, k, r, r0, chunk, per_row, cap
+    cdef int c
+    cdef bint consecutive
+    cdef bint gather = s.rows != NULL and not _rows_consecutive(s.rows, 0, n)
+
+    if n < crossover:
+        scratch = lorahook_scratch(<size_t>rank, &owned)
+        if scratch == NULL:
+            return -1
+        t = scratch
+        for i in range(n):
+            r = s.rows[i] if s.rows != NULL else i
+            xr = <float *>(X + r * d_in)
+            yr = Y + r * d_out
+            alpha = s.row_scales[i] if s.row_scales != NULL else s.scale
+            sgemv(&tr, &d_in, &rank, &one, A, &d_in, xr, &one_i, &zero, t, &one_i)
+            sgemv(&tr, &rank, &d_out, &alpha, B, &rank, t, &one_i, &one, yr, &one_i)
+            if bias != NULL:
+                saxpy(&d_out, &alpha, bias, &one_i, yr, &one_i)
+        if owned:
+            free(scratch)
+        return 0
+
+    # batched: chunks sized so scratch stays within the per-thread cache
+    per_row = rank + (d_in + d_out if gather else 0)
+    cap = <Py_ssize_t>LORAHOOK_SCRATCH_CACHE_FLOATS // per_row
+    chunk = n if n < cap else cap
+    if chunk < 1:
+        chunk = 1
+    scratch = lorahook_scratch(<size_t>(chunk * per_row), &owned)
+    if scratch == NULL:
+        return -1
+    t = scratch
+    G = scratch + chunk * rank
+    D = G + chunk * d_in
+    k = 0
+    while k < n:
+        c = <int>(chunk if n - k > chunk else n - k)
+        consecutive = _rows_consecutive(s.rows, k, c)
+        r0 = s.rows[k] if s.rows != NULL else k
+        if consecutive:
+            xr = <float *>(X + r0 * d_in)
+        else:
+            for j in range(c):
+                memcpy(G + j * d_in, X + <Py_ssize_t>s.rows[k + j] * d_in, d_in * sizeof(float))
+            xr = G
+        # T^T (rank x c, column-major) = A X^T
+        sgemm(&tr, &nt, &rank, &c, &d_in, &one, A, &d_in, xr, &d_in, &zero, t, &rank)
+        if s.row_scales != NULL:
+            for j in range(c):
+                alpha = s.row_scales[k + j]
+                sscal(&rank, &alpha, t + j * rank, &one_i)
+            alpha = one
+        else:
+            alpha = s.scale
+        if consecutive:
+            # Y^T (d_out x c) += alpha * B T^T
+            yr = Y + r0 * d_out
+            sgemm(&tr, &nt, &d_out, &c, &rank, &alpha, B, &rank, t, &rank, &one, yr, &d_out)
+        else:
+            sgemm(&tr, &nt, &d_out, &c, &rank, &alpha, B, &rank, t, &rank, &zero, D, &d_out)
+            for j in range(c):
+                yr = Y + <Py_ssize_t>s.rows[k + j] * d_out
+                saxpy(&d_out, &one, D + j * d_out, &one_i, yr, &one_i)
+        if bias != NULL:
+            for j in range(c):
+                r = s.rows[k + j] if s.rows != NULL else k + j
+                alpha = s.row_scales[k + j] if s.row_scales != NULL else s.scale
+                saxpy(&d_out, &alpha, bias, &one_i, Y + r * d_out, &one_i)
+        k += c
+    if owned:
+        free(scratch)
+    return 0
+
+
+cdef inline cnp.ndarray _checked_rows_buffer(object arr, Py_ssize_t n, Py_ssize_t width,
+                                             str name, bint writable):
+    _check_type(arr, name)
+    cdef cnp.ndarray a = <cnp.ndarray>arr
+    _check_layout(a, name, writable)
+    if cnp.PyArray_SIZE(a) != n * width:
+        raise ValueError(f"{name} must hold {n} rows of width {width}, got shape {_shape_str(a)}")
+    return a
+
+
+def apply_layer(LayerKernel layer not None, input, output, Py_ssize_t n_rows):
+    """Add one layer's delta to ``n_rows`` rows (widths are the layer's)."""
+    cdef cnp.ndarray x = _checked_rows_buffer(input, n_rows, layer.d_in, "input", False)
+    cdef cnp.ndarray y = _checked_rows_buffer(output, n_rows, layer.d_out, "output", True)
+    cdef Segment seg
+    layer.fill(&seg)
+    seg.n_rows = n_rows
+    cdef const float *X = <const float *>cnp.PyArray_DATA(x)
+    cdef float *Y = <float *>cnp.PyArray_DATA(y)
+    cdef int rc
+    cdef Py_ssize_t crossover = _gemm_crossover
+    with nogil:
+        rc = _run_segment(&seg, X, Y, layer.d_in, layer.d_out, crossover)
+    if rc != 0:
+        raise MemoryError("lorahook could not allocate its scratch buffer")
+
+
+def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
+                 Py_ssize_t d_in, Py_ssize_t d_out):
+    """Apply several layers, each to its own rows of one batch.
+
+    ``groups`` is a list of ``(LayerKernel, scale, rows, row_scales)``: ``rows``
+    an int32 array of strictly ascending row indices in ``[0, n_rows)`` (or
+    ``None`` for every row), ``row_scales`` a float32 array with one scale per
+    entry of ``rows`` (or ``None`` to use ``scale`` for all of them).  Rows
+    that no group names are never written.
+    """
+    cdef cnp.ndarray x = _checked_rows_buffer(input, n_rows, d_in, "input", False)
+    cdef cnp.ndarray y = _checked_rows_buffer(output, n_rows, d_out, "output", True)
+    cdef Py_ssize_t g, m, i, ng = len(groups)
+    cdef LayerKernel layer
+    cdef cnp.ndarray rows, rs
+    cdef const int *rp
+    if ng == 0 or n_rows == 0:
+        return
+    segs_obj = bytearray(ng * sizeof(Segment))
+    cdef Segment *segs = <Segment *><char *>segs_obj
+    keep = []
+    for g in range(ng):
+        layer, scale, rows_obj, rs_obj = groups[g]
+        if layer.d_in != d_in or layer.d_out != d_out:
+            raise ValueError(
+                f"group {g}: layer shape (d_in, d_out) = ({layer.d_in}, {layer.d_out}) "
+                f"does not match the call's ({d_in}, {d_out})")
+        layer.fill(&segs[g])
+        segs[g].scale = <float>scale
+        if rows_obj is None:
+            segs[g].n_rows = n_rows
+            m = n_rows
+        else:
+            rows = <cnp.ndarray?>rows_obj
+            if (cnp.PyArray_TYPE(rows) != cnp.NPY_INT32 or cnp.PyArray_NDIM(rows) != 1
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(rows)):
+                raise TypeError(f"group {g}: rows must be a 1-D C-contiguous int32 array")
+            m = cnp.PyArray_DIM(rows, 0)
+            rp = <const int *>cnp.PyArray_DATA(rows)
+            for i in range(m):
+                if rp[i] < 0 or rp[i] >= n_rows or (i > 0 and rp[i] <= rp[i - 1]):
+                    raise ValueError(
+                        f"group {g}: rows must be strictly ascending indices in [0, {n_rows})")
+            segs[g].rows = rp
+            segs[g].n_rows = m
+            keep.append(rows)
+        if rs_obj is not None:
+            rs = <cnp.ndarray?>rs_obj
+            if (cnp.PyArray_TYPE(rs) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(rs) != 1
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(rs) or cnp.PyArray_DIM(rs, 0) != m):
+                raise TypeError(f"group {g}: row_scales must be a 1-D float32 array of {m} values")
+            segs[g].row_scales = <const float *>cnp.PyArray_DATA(rs)
+            keep.append(rs)
+    cdef const float *X = <const float *>cnp.PyArray_DATA(x)
+    cdef float *Y = <float *>cnp.PyArray_DATA(y)
+    cdef int rc = 0
+    cdef int di = <int>d_in
+    cdef int do = <int>d_out
+    cdef Py_ssize_t crossover = _gemm_crossover
+    with nogil:
+        for g in range(ng):
+            rc = _run_segment(&segs[g], X, Y, di, do, crossover)
+            if rc != 0:
+                break
+    if rc != 0:
+        raise MemoryError("lorahook could not allocate its scratch buffer")

@@ -1,0 +1,459 @@
+"""Native adapters: :class:`LoraLayer`, :class:`LoraAdapter`, :func:`blend`.
+
+An adapter is immutable data validated once at construction, so that
+applying it never re-checks its insides: :func:`lorahook.apply_lora_rows`
+only checks that the covering layer's ``(d_in, d_out)`` equals the call's
+row widths, then runs the compiled kernel with the GIL released.
+"""
+import math
+import numbers
+from types import MappingProxyType
+
+import numpy as np
+
+from . import _rows
+from .errors import LoraValidationError
+from .hook import LoraHook
+
+__all__ = ["LoraLayer", "LoraAdapter", "blend"]
+
+_INT_MAX = 2**31 - 1
+
+
+def _finite_scale(value, name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _owned_float32(value, name, ndim):
+    """Copy ``value`` once into a read-only float32 C-contiguous array."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "fiu" or arr.dtype.kind == "b":
+        raise TypeError(f"{name} must hold real numbers, got dtype {arr.dtype}")
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {arr.ndim}-D with shape {arr.shape}")
+    if any(d > _INT_MAX for d in arr.shape):
+        raise ValueError(f"{name} dimensions must each be at most {_INT_MAX}, got {arr.shape}")
+    with np.errstate(over="ignore"):
+        out = np.array(arr, dtype=np.float32, order="C", copy=True)
+    if not np.isfinite(out).all():
+        bad = int(np.size(out) - np.count_nonzero(np.isfinite(out)))
+        raise ValueError(
+            f"{name} must hold only finite float32 values, got {bad} non-finite "
+            f"(NaN, Inf, or out of float32 range)")
+    out.flags.writeable = False
+    return out
+
+
+class LoraLayer:
+    """One projection's LoRA update: ``delta(x) = scale * (B @ (A @ x) + bias)``.
+
+    ``a`` is ``(rank, d_in)``, ``b`` is ``(d_out, rank)`` (the PEFT layout of
+    ``lora_A.weight`` / ``lora_B.weight``), ``bias`` an optional ``(d_out,)``
+    vector (PEFT's ``lora_bias``, scaled like the product).  Each array is
+    copied once into a float32 C-contiguous array the layer owns, marked
+    read-only.  Rank 0 (without bias) is allowed and applies nothing.
+    """
+
+    __slots__ = ("_a", "_b", "_scale", "_bias", "_kernel")
+
+    def __init__(self, a, b, scale=1.0, bias=None):
+        a = _owned_float32(a, "a", 2)
+        b = _owned_float32(b, "b", 2)
+        scale = _finite_scale(scale, "scale")
+        if a.shape[0] != b.shape[1]:
+            raise ValueError(
+                f"ranks disagree: a has shape {a.shape} (rank {a.shape[0]}), "
+                f"b has shape {b.shape} (rank {b.shape[1]})")
+        if a.shape[1] < 1 or b.shape[0] < 1:
+            raise ValueError(
+                f"d_in and d_out must be >= 1, got a of shape {a.shape} and b of shape {b.shape}")
+        if bias is not None:
+            bias = _owned_float32(bias, "bias", 1)
+            if bias.shape[0] != b.shape[0]:
+                raise ValueError(
+                    f"bias must have shape ({b.shape[0]},) to match b's d_out, got {bias.shape}")
+            if a.shape[0] == 0:
+                raise ValueError("a rank-0 layer cannot carry a bias")
+        self._init(a, b, scale, bias)
+
+    def _init(self, a, b, scale, bias):
+        object.__setattr__(self, "_a", a)
+        object.__setattr__(self, "_b", b)
+        object.__setattr__(self, "_scale", scale)
+        object.__setattr__(self, "_bias", bias)
+        object.__setattr__(self, "_kernel", _rows.LayerKernel(a, b, scale, bias))
+
+    @classmethod
+    def _trusted(cls, a, b, scale, bias):
+        # For arrays that already belong to a validated layer: no copy.
+        self = cls.__new__(cls)
+        self._init(a, b, float(scale), bias)
+        return self
+
+    def __setattr__(self, name, value):
+        raise AttributeError("LoraLayer is immutable")
+
+    def __reduce__(self):
+        return (LoraLayer._trusted, (self._a, self._b, self._scale, self._bias))
+
+    def __setstate__(self, state):  # pragma: no cover - not used by __reduce__
+        raise TypeError("LoraLayer has no state to set")
+
+    a = property(lambda self: self._a, doc="``(rank, d_in)`` float32, read-only.")
+    b = property(lambda self: self._b, doc="``(d_out, rank)`` float32, read-only.")
+    scale = property(lambda self: self._scale, doc="The layer's scale (float).")
+    bias = property(lambda self: self._bias, doc="``(d_out,)`` float32 or ``None``.")
+    rank = property(lambda self: self._a.shape[0])
+    d_in = property(lambda self: self._a.shape[1])
+    d_out = property(lambda self: self._b.shape[0])
+
+    @property
+    def num_parameters(self):
+        return self._a.size + self._b.size + (0 if self._bias is None else self._bias.size)
+
+    def with_scale(self, scale):
+        """The same arrays with another scale (no copy)."""
+        return LoraLayer._trusted(self._a, self._b, _finite_scale(scale, "scale"), self._bias)
+
+    def delta_weight(self):
+        """``scale * B @ A`` as a float32 ``(d_out, d_in)`` array."""
+        out = self._b @ self._a
+        out *= np.float32(self._scale)
+        return out
+
+    def __repr__(self):
+        bias = ", bias" if self._bias is not None else ""
+        return (f"LoraLayer(rank={self.rank}, d_in={self.d_in}, d_out={self.d_out}, "
+                f"scale={self._scale:g}{bias})")
+
+
+def _check_key(key):
+    if not (isinstance(key, tuple) and len(key) == 2):
+        raise TypeError(f"adapter keys must be (layer_idx, module) tuples, got {key!r}")
+    layer_idx, module = key
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+        raise TypeError(f"layer_idx in key {key!r} must be an int, got {type(layer_idx).__name__}")
+    if layer_idx < 0:
+        raise ValueError(f"layer_idx in key {key!r} must be >= 0")
+    if not isinstance(module, str) or not module:
+        raise TypeError(f"module in key {key!r} must be a non-empty str")
+    return (int(layer_idx), module)
+
+
+def _str_mapping(value, name):
+    if value is None:
+        return {}
+    out = {}
+    for k, v in dict(value).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"{name} must map str to str, got {k!r}: {v!r}")
+        out[k] = v
+    return out
+
+
+class LoraAdapter(LoraHook):
+    """An immutable set of LoRA layers keyed by ``(layer_idx, module)``.
+
+    A :class:`~lorahook.LoraHook` that runs in the compiled core: for a
+    projection it covers, :func:`~lorahook.apply_lora_rows` adds
+    ``scale * B @ (A @ x)`` (+ ``scale * bias``) to every row with the GIL
+    released; for any other projection it is inactive.  Safe to share between
+    threads, and picklable.
+
+    ``module_paths`` optionally records each key's module path in the base
+    model (``model.layers.3.self_attn.q_proj``), so that
+    :meth:`save_peft` writes an adapter back where it came from.
+    """
+
+    __slots__ = ("_layers", "_name", "_metadata", "_module_paths", "_view")
+
+    # Subclasses that override apply() are served by the generic row loop.
+    _native = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._native = cls.apply is LoraAdapter.apply
+
+    def __init__(self, layers, name=None, metadata=None, *, module_paths=None):
+        checked = {}
+        for key, layer in dict(layers).items():
+            key = _check_key(key)
+            if not isinstance(layer, LoraLayer):
+                raise TypeError(f"layer for key {key!r} must be a LoraLayer, got {type(layer).__name__}")
+            if key in checked:
+                raise ValueError(f"duplicate key {key!r}")
+            checked[key] = layer
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        paths = {}
+        for key, path in dict(module_paths or {}).items():
+            key = _check_key(key)
+            if key not in checked:
+                raise ValueError(f"module_paths names key {key!r} that the adapter does not hold")
+            if not isinstance(path, str):
+                raise TypeError(f"module path for {key!r} must be a str, got {type(path).__name__}")
+            paths[key] = path
+        object.__setattr__(self, "_layers", checked)
+        object.__setattr__(self, "_view", MappingProxyType(checked))
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_metadata", _str_mapping(metadata, "metadata"))
+        object.__setattr__(self, "_module_paths", MappingProxyType(paths))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __reduce__(self):
+        return (_rebuild_adapter, (type(self), dict(self._layers), self._name,
+                                   dict(self._metadata), dict(self._module_paths)))
+
+    # --- the hook contract -------------------------------------------------
+
+    def is_active(self, layer_idx, module):
+        layer = self._layers.get((layer_idx, module))
+        return layer is not None and layer.rank > 0
+
+    def _layer_for_call(self, layer_idx, module, d_in, d_out):
+        layer = self._layers.get((layer_idx, module))
+        if layer is not None and (layer.d_in != d_in or layer.d_out != d_out):
+            raise ValueError(
+                f"adapter layer ({layer_idx}, {module!r}) has (d_in, d_out) = "
+                f"({layer.d_in}, {layer.d_out}) but the call's row widths are "
+                f"(input_row_width, output_row_width) = ({d_in}, {d_out})")
+        return layer
+
+    def _apply_rows(self, layer_idx, module, input, output, input_row_width,
+                    output_row_width, n_rows):
+        if not self._native:
+            return LoraHook._apply_rows(self, layer_idx, module, input, output,
+                                        input_row_width, output_row_width, n_rows)
+        layer = self._layer_for_call(layer_idx, module, input_row_width, output_row_width)
+        if layer is not None and layer.rank > 0:
+            _rows.apply_layer(layer._kernel, input, output, n_rows)
+
+    def apply(self, layer_idx, module, x, output):
+        """Add the delta for one row: ``x`` has ``d_in`` values, ``output`` ``d_out``."""
+        layer = self._layers.get((layer_idx, module))
+        if layer is None or layer.rank == 0:
+            return
+        n = _rows.check_rows(x, output, layer.d_in, layer.d_out)
+        if n != 1:
+            raise ValueError(
+                f"apply takes one row: x must have {layer.d_in} values and output "
+                f"{layer.d_out} for layer ({layer_idx}, {module!r}), got {n} rows "
+                f"(use apply_lora_rows for batches)")
+        _rows.apply_layer(layer._kernel, x, output, 1)
+
+    # --- read-only properties ---------------------------------------------
+
+    layers = property(lambda self: self._view, doc="Read-only mapping (layer_idx, module) -> LoraLayer.")
+    name = property(lambda self: self._name)
+    metadata = property(lambda self: dict(self._metadata), doc="A copy of the str -> str metadata.")
+    module_paths = property(lambda self: self._module_paths,
+                            doc="Read-only mapping key -> module path in the base model (may be empty).")
+
+    def has_adapter(self, layer_idx, module):
+        """Whether the adapter holds a layer for ``(layer_idx, module)``."""
+        return (layer_idx, module) in self._layers
+
+    @property
+    def num_adapted_layers(self):
+        """The number of ``(layer_idx, module)`` keys."""
+        return len(self._layers)
+
+    @property
+    def num_parameters(self):
+        return sum(layer.num_parameters for layer in self._layers.values())
+
+    def keys(self):
+        """The keys in sorted ``(layer_idx, module)`` order."""
+        return sorted(self._layers)
+
+    def validate_modules(self, known):
+        """The sorted keys whose module is not in ``known`` (e.g. typos)."""
+        known = set(known)
+        return [key for key in sorted(self._layers) if key[1] not in known]
+
+    def scaled(self, factor):
+        """The same arrays with every scale multiplied by ``factor``."""
+        factor = _finite_scale(factor, "factor")
+        layers = {k: l.with_scale(l.scale * factor) for k, l in self._layers.items()}
+        return self._derived(layers)
+
+    def _derived(self, layers, name=None):
+        return LoraAdapter(layers, name=self._name if name is None else name,
+                           metadata=self._metadata,
+                           module_paths={k: p for k, p in self._module_paths.items() if k in layers})
+
+    # --- geometry -----------------------------------------------------------
+
+    def validate_against(self, config):
+        """Check every key against a model's projection table.
+
+        ``config`` is a :class:`~lorahook.Qwen35Config` or a
+        :class:`~lorahook.BertConfig`.  Keys are checked in sorted order and
+        the first misfit raises :class:`~lorahook.LoraValidationError` naming
+        the layer, the module, the adapter's ``(d_in, d_out)`` and the model's.
+        Ranks above ``min(d_in, d_out)`` are valid.
+        """
+        projection_shape = getattr(config, "projection_shape", None)
+        if projection_shape is None:
+            raise TypeError(
+                f"config must be a Qwen35Config or a BertConfig, got {type(config).__name__}")
+        for (layer_idx, module) in sorted(self._layers):
+            layer = self._layers[(layer_idx, module)]
+            ours = (layer.d_in, layer.d_out)
+            try:
+                theirs = tuple(projection_shape(layer_idx, module))
+            except LoraValidationError as exc:
+                raise LoraValidationError(
+                    f"adapter layer {layer_idx} module {module!r} with (d_in, d_out) = {ours} "
+                    f"does not fit the model: {exc}") from None
+            if ours != theirs:
+                raise LoraValidationError(
+                    f"adapter layer {layer_idx} module {module!r} has (d_in, d_out) = {ours}, "
+                    f"but the model's projection is (d_in, d_out) = {theirs}")
+        return None
+
+    def validate_against_bert(self, num_hidden_layers, hidden_size, intermediate_size):
+        """:meth:`validate_against` for a BERT encoder of these dimensions."""
+        from .geometry import BertConfig
+        return self.validate_against(BertConfig(num_hidden_layers, hidden_size, intermediate_size))
+
+    # --- files --------------------------------------------------------------
+
+    @classmethod
+    def from_peft(cls, path):
+        """Load a PEFT adapter directory (``adapter_config.json`` + safetensors)."""
+        from .peft import load_peft
+        return load_peft(path)
+
+    @classmethod
+    def from_safetensors(cls, path, alpha=None):
+        """Load a bare PEFT-layout safetensors file (``alpha``: argument, header, else rank)."""
+        from .peft import load_safetensors
+        return load_safetensors(path, alpha=alpha)
+
+    def save_peft(self, path, architecture=None, metadata=None):
+        """Write a PEFT adapter directory that ``peft.PeftModel.from_pretrained`` loads."""
+        from .peft import save_peft
+        return save_peft(self, path, architecture=architecture, metadata=metadata)
+
+    # --- merging --------------------------------------------------------------
+
+    def delta_weight(self, layer_idx, module):
+        """``scale * B @ A`` for one key, a float32 ``(d_out, d_in)`` array."""
+        try:
+            layer = self._layers[(layer_idx, module)]
+        except KeyError:
+            raise KeyError(f"the adapter holds no layer for ({layer_idx}, {module!r})") from None
+        return layer.delta_weight()
+
+    def _check_merge_targets(self, weights, biases):
+        missing = [k for k in sorted(self._layers) if k not in weights]
+        if missing:
+            raise KeyError(f"weights has no entry for adapter keys {missing}")
+        for key in sorted(self._layers):
+            layer = self._layers[key]
+            w = weights[key]
+            if not isinstance(w, np.ndarray) or w.dtype != np.float32:
+                raise TypeError(f"weights[{key!r}] must be a float32 ndarray, got "
+                                f"{type(w).__name__} {getattr(w, 'dtype', '')}")
+            if w.shape != (layer.d_out, layer.d_in):
+                raise ValueError(f"weights[{key!r}] must have shape (d_out, d_in) = "
+                                 f"{(layer.d_out, layer.d_in)}, got {w.shape}")
+            if not w.flags.writeable:
+                raise ValueError(f"weights[{key!r}] must be writable")
+            if layer.bias is not None:
+                if biases is None or key not in biases:
+                    raise KeyError(f"layer {key!r} has a lora_bias: biases must hold a base bias for it")
+                bv = biases[key]
+                if (not isinstance(bv, np.ndarray) or bv.dtype != np.float32
+                        or bv.shape != (layer.d_out,) or not bv.flags.writeable):
+                    raise ValueError(f"biases[{key!r}] must be a writable float32 array of shape "
+                                     f"({layer.d_out},), got {getattr(bv, 'shape', type(bv).__name__)}")
+
+    def _merge(self, weights, biases, sign):
+        self._check_merge_targets(weights, biases)
+        for key in sorted(self._layers):
+            layer = self._layers[key]
+            delta = layer.delta_weight()
+            if sign > 0:
+                weights[key] += delta
+            else:
+                weights[key] -= delta
+            if layer.bias is not None:
+                b = layer.bias * np.float32(layer.scale)
+                if sign > 0:
+                    biases[key] += b
+                else:
+                    biases[key] -= b
+
+    def merge_into(self, weights, biases=None):
+        """Add every key's delta into ``weights[key]`` (float32 ``(d_out, d_in)``) in place.
+
+        All keys and shapes are checked before the first weight is touched.
+        """
+        self._merge(weights, biases, +1)
+
+    def unmerge_from(self, weights, biases=None):
+        """Subtract what :meth:`merge_into` added."""
+        self._merge(weights, biases, -1)
+
+    def __repr__(self):
+        name = f"{self._name!r}, " if self._name else ""
+        return f"LoraAdapter({name}{len(self._layers)} layers, {self.num_parameters} parameters)"
+
+
+def _rebuild_adapter(cls, layers, name, metadata, module_paths):
+    obj = cls.__new__(cls)
+    LoraAdapter.__init__(obj, layers, name=name, metadata=metadata, module_paths=module_paths)
+    return obj
+
+
+def blend(weighted):
+    """Blend adapters exactly: ``delta = sum(weight_i * delta_i)`` for every key.
+
+    ``weighted`` is a sequence of ``(adapter, weight)``.  For a key held by
+    several adapters the blended ``A`` stacks their ``A``s and ``B``
+    concatenates their ``B``s with ``weight * scale`` folded in (rank = the sum
+    of ranks, scale 1); a key held by only some adapters is carried over,
+    multiplied by its weight.  Biases combine the same way.
+    """
+    items = list(weighted)
+    if not items:
+        raise ValueError("blend needs at least one (adapter, weight) pair, got none")
+    parts = {}
+    for i, item in enumerate(items):
+        try:
+            adapter, weight = item
+        except (TypeError, ValueError):
+            raise TypeError(f"blend item {i} must be an (adapter, weight) pair, got {item!r}") from None
+        if not isinstance(adapter, LoraAdapter):
+            raise TypeError(f"blend item {i}: expected a LoraAdapter, got {type(adapter).__name__}")
+        weight = _finite_scale(weight, f"weight of blend item {i}")
+        for key, layer in adapter.layers.items():
+            parts.setdefault(key, []).append((i, layer, weight))
+    layers, paths = {}, {}
+    for key in sorted(parts):
+        entries = parts[key]
+        shapes = {(l.d_in, l.d_out) for _, l, _ in entries}
+        if len(shapes) > 1:
+            detail = ", ".join(f"item {i}: (d_in, d_out) = {(l.d_in, l.d_out)}" for i, l, _ in entries)
+            raise ValueError(f"cannot blend key {key!r}: shapes differ ({detail})")
+        a = np.concatenate([l.a for _, l, _ in entries], axis=0)
+        b = np.concatenate([l.b.astype(np.float64) * (w * l.scale) for _, l, w in entries], axis=1)
+        biases = [(l.bias, w * l.scale) for _, l, w in entries if l.bias is not None]
+        bias = None
+        if biases and a.shape[0] > 0:
+            bias = sum(bv.astype(np.float64) * s for bv, s in biases)
+        layers[key] = LoraLayer(a, b, 1.0, bias)
+        for i, _, _ in entries:
+            path = items[i][0].module_paths.get(key)
+            if path is not None:
+                paths.setdefault(key, path)
+    return LoraAdapter(layers, module_paths=paths)

@@ -1,0 +1,9 @@
+"""Exceptions raised by lorahook."""
+
+
+class LoraValidationError(ValueError):
+    """An adapter (or a model configuration) that does not fit a model."""
+
+
+class LoraFormatError(ValueError):
+    """A file that is not a valid, supported LoRA adapter."""
