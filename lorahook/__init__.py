@@ -4,6 +4,7 @@ from .adapter import LoraAdapter, LoraLayer, blend
 from .errors import LoraFormatError, LoraValidationError
 from .geometry import BertConfig, Qwen35Config
 from .hook import LoraHook, NoopLoraHook, apply_lora_rows
+from .serving import AdapterSet, BoundBatch
 
 __version__ = "0.1.0"
 
@@ -18,5 +19,7 @@ __all__ = [
     "LoraFormatError",
     "Qwen35Config",
     "BertConfig",
+    "AdapterSet",
+    "BoundBatch",
     "DEBUG_BUILD",
 ]
