@@ -41,7 +41,7 @@ import json
 import numbers
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
 from .errors import LoraValidationError
@@ -336,7 +336,9 @@ class Qwen35Config:
     ``layer_types`` may be given explicitly (legacy names ``attention`` and ``mamba``
     are accepted and stored as ``full_attention`` / ``linear_attention``); when it is
     omitted, layer ``i`` is full attention when ``(i + 1) % full_attention_interval ==
-    0``. An explicit ``layer_types`` takes precedence over ``full_attention_interval``.
+    0``. An explicit ``layer_types`` takes precedence over ``full_attention_interval``,
+    which only serves to derive ``layer_types`` and so takes no part in equality or
+    hashing: two configs with the same resolved ``layer_types`` are equal.
 
     Instances are immutable, hashable, picklable and compare by value. Invalid values
     raise :class:`~lorahook.LoraValidationError` naming the field.
@@ -354,7 +356,7 @@ class Qwen35Config:
     linear_conv_kernel_dim: int
     intermediate_size: Optional[int] = None
     layer_types: Optional[Tuple[str, ...]] = None
-    full_attention_interval: int = 4
+    full_attention_interval: int = field(default=4, compare=False)
     num_experts: Optional[int] = None
     num_experts_per_tok: Optional[int] = None
     moe_intermediate_size: Optional[int] = None

@@ -738,3 +738,12 @@ def test_bert_validation_dispatch():
         bad.validate_against_bert(2, 32, 48)
     with pytest.raises(LoraValidationError, match="out of range"):
         good.validate_against_bert(1, 32, 48)
+
+
+def test_interval_takes_no_part_in_equality_once_layer_types_are_resolved():
+    types = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"]
+    a = Qwen35Config(**small_kwargs(layer_types=types, full_attention_interval=3))
+    b = Qwen35Config(**small_kwargs())
+    assert a == b and hash(a) == hash(b)
+    assert Qwen35Config(**small_kwargs(full_attention_interval=2)) != b
