@@ -164,13 +164,14 @@ def _bool(value: Any, field: str, where: str) -> bool:
 def _check_layer_index(layer_idx: Any, num_hidden_layers: int, module: Any, where: str) -> int:
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
         raise TypeError(
-            f"{where}: layer index must be an int, found {_describe(layer_idx)} "
-            f"(module {module!r})"
+            f"{where}: layer index must be an int, found {_describe(layer_idx)}"
+            + ("" if module is None else f" (module {module!r})")
         )
     layer_idx = int(layer_idx)
     if not 0 <= layer_idx < num_hidden_layers:
+        subject = f"layer {layer_idx}" if module is None else f"layer {layer_idx}, module {module!r}"
         raise LoraValidationError(
-            f"{where}: layer {layer_idx}, module {module!r}: layer index out of range; "
+            f"{where}: {subject}: layer index out of range; "
             f"the model has {num_hidden_layers} layers (0..{num_hidden_layers - 1})"
         )
     return layer_idx
