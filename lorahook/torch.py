@@ -1,0 +1,228 @@
+"""Attach a lorahook hook to a float32 PyTorch model on the CPU (optional; needs ``torch``).
+
+::
+
+    import torch, lorahook
+    from lorahook.torch import attach
+
+    adapter = lorahook.LoraAdapter.from_peft("my-adapter")
+    with torch.inference_mode(), attach(model, adapter):
+        out = model(**inputs)
+
+:func:`attach` registers a forward hook on every ``nn.Linear`` of the model
+whose path maps to a lorahook ``(layer_idx, module)`` key:
+
+* Qwen3.5: ``[...]layers.N.{self_attn,linear_attn,mlp}.X`` -> ``(N, "X")``
+  (``model.layers.N`` of ``Qwen3_5ForCausalLM`` and
+  ``model.language_model.layers.N`` of the multimodal model alike);
+* BERT: ``[bert.]encoder.layer.N.attention.self.{query,key,value}``,
+  ``attention.output.dense`` -> ``attn_output``, ``intermediate.dense`` ->
+  ``ffn_intermediate``, ``output.dense`` -> ``ffn_output``.
+
+After the module computes ``y = W x + b``, the hook views the input and the
+output as numpy arrays (``Tensor.numpy()``: the same memory, no copy) and
+calls :func:`lorahook.apply_lora_rows`, which adds the LoRA delta to ``y`` in
+place.  Every token is one row: an input of shape ``(batch, seq, d_in)`` is
+``batch * seq`` rows in row-major order.
+
+A bound batch from :meth:`lorahook.AdapterSet.bind` works too; it must be
+bound for exactly ``batch * seq`` rows, one entry per token (repeat a
+sequence's adapter name ``seq`` times -- :func:`token_rows` does that).
+
+Not supported (refused with a clear error rather than silently wrong):
+
+* bf16 / fp16 / float64 weights or activations: lorahook computes in float32
+  only -- convert with ``model.float()``;
+* quantised bases (bitsandbytes, GPTQ, AWQ, ``torch.ao`` quantised linears,
+  anything whose weight is not a float32 ``torch.Tensor``) and subclasses of
+  ``nn.Linear`` other than PEFT-free plain linears;
+* models that already carry PEFT LoRA layers (apply one or the other);
+* tensors on a device other than the CPU;
+* autograd: the delta is written through numpy, which autograd does not see.
+  Use the hooks for inference only (``torch.inference_mode()`` or
+  ``torch.no_grad()``); the hook refuses to run when gradients are being
+  recorded for the output.
+"""
+import re
+
+from .hook import LoraHook, apply_lora_rows
+
+__all__ = ["attach", "default_mapping", "token_rows", "AttachedHooks"]
+
+_QWEN35 = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\."
+    r"(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj|"
+    r"gate_proj|up_proj|down_proj)$")
+_BERT = re.compile(
+    r"(?:^|\.)encoder\.layer\.(\d+)\."
+    r"(attention\.self\.query|attention\.self\.key|attention\.self\.value|"
+    r"attention\.output\.dense|intermediate\.dense|output\.dense)$")
+_BERT_NAMES = {
+    "attention.self.query": "query",
+    "attention.self.key": "key",
+    "attention.self.value": "value",
+    "attention.output.dense": "attn_output",
+    "intermediate.dense": "ffn_intermediate",
+    "output.dense": "ffn_output",
+}
+
+
+def default_mapping(path):
+    """``(layer_idx, module)`` for a module path of a Qwen3.5 or BERT model, else ``None``."""
+    m = _QWEN35.search(path)
+    if m:
+        return int(m.group(1)), m.group(2)
+    m = _BERT.search(path)
+    if m:
+        return int(m.group(1)), _BERT_NAMES[m.group(2)]
+    return None
+
+
+def token_rows(per_sequence, seq_len):
+    """Repeat each sequence's adapter name (or ``None``) ``seq_len`` times, for ``bind``."""
+    return [name for name in per_sequence for _ in range(seq_len)]
+
+
+class AttachedHooks:
+    """What :func:`attach` returns: ``remove()`` detaches every hook (also on ``with`` exit)."""
+
+    def __init__(self, handles, modules):
+        self._handles = handles
+        #: ``{module path: (layer_idx, module)}`` of the hooked ``nn.Linear`` modules.
+        self.modules = modules
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+    def __len__(self):
+        return len(self.modules)
+
+    def __repr__(self):
+        return f"AttachedHooks({len(self.modules)} linear modules)"
+
+
+def _as_numpy(t, what, path):
+    import torch
+    if t.device.type != "cpu":
+        raise TypeError(f"lorahook.torch: {path}: the {what} is on {t.device}, expected the CPU")
+    if t.dtype != torch.float32:
+        raise TypeError(f"lorahook.torch: {path}: the {what} is {t.dtype}, expected torch.float32 "
+                        f"(lorahook computes in float32; convert the model with model.float())")
+    return t.detach().numpy()
+
+
+def _resolve_mapping(mapping):
+    if mapping is None:
+        return default_mapping
+    if callable(mapping):
+        return mapping
+    table = dict(mapping)
+    return table.get
+
+
+def attach(model, hook, *, mapping=None):
+    """Register forward hooks that apply ``hook`` to the model's ``nn.Linear`` outputs.
+
+    ``hook`` is any :class:`lorahook.LoraHook` -- a :class:`lorahook.LoraAdapter`
+    or a batch bound with :meth:`lorahook.AdapterSet.bind`.  ``mapping`` is
+    ``None`` (Qwen3.5 and BERT paths, see the module docstring), a callable
+    ``path -> (layer_idx, module) or None`` or a dict ``path -> (layer_idx,
+    module)``.  Returns an :class:`AttachedHooks`; call ``.remove()`` (or use it
+    as a context manager) to detach.
+
+    Checked when attaching: every mapped linear is a plain float32
+    ``nn.Linear`` on the CPU (``TypeError`` otherwise); for a ``LoraAdapter``,
+    each of its keys is found in the model and has the linear's ``(in_features,
+    out_features)`` (:class:`lorahook.LoraValidationError` otherwise), and only
+    the linears it covers are hooked.
+    """
+    import torch
+    from torch import nn
+
+    from .adapter import LoraAdapter
+    from .errors import LoraValidationError
+
+    if not isinstance(hook, LoraHook):
+        raise TypeError(f"hook must be a lorahook.LoraHook, got {type(hook).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    resolve = _resolve_mapping(mapping)
+
+    found = {}
+    for path, mod in model.named_modules():
+        if ".lora_A" in path or ".lora_B" in path or path.endswith(".base_layer"):
+            raise TypeError(f"lorahook.torch: {path}: the model already carries PEFT LoRA layers; "
+                            f"attach lorahook to the base model instead")
+        key = resolve(path)
+        if key is None:
+            continue
+        if not isinstance(mod, nn.Linear):
+            continue
+        if type(mod) is not nn.Linear:
+            raise TypeError(f"lorahook.torch: {path} is a {type(mod).__module__}."
+                            f"{type(mod).__name__}, not a plain torch.nn.Linear (quantised and "
+                            f"custom linear layers are not supported)")
+        weight = mod.weight
+        if type(weight) not in (torch.Tensor, nn.Parameter) or weight.dtype != torch.float32:
+            raise TypeError(f"lorahook.torch: {path}: weight is {weight.dtype} "
+                            f"({type(weight).__name__}); only float32 weights are supported "
+                            f"(no bf16/fp16, no quantised bases): convert with model.float()")
+        if weight.device.type != "cpu":
+            raise TypeError(f"lorahook.torch: {path}: weight is on {weight.device}, expected the CPU")
+        key = (int(key[0]), str(key[1]))
+        if key in found.values():
+            other = next(p for p, k in found.items() if k == key)
+            raise ValueError(f"lorahook.torch: {path} and {other} both map to {key}")
+        found[path] = key
+
+    if isinstance(hook, LoraAdapter):
+        shapes = {k: (model.get_submodule(p).in_features, model.get_submodule(p).out_features)
+                  for p, k in found.items()}
+        for key in hook.keys():
+            layer = hook.layers[key]
+            if key not in shapes:
+                raise LoraValidationError(
+                    f"adapter layer {key[0]} module {key[1]!r} matches no nn.Linear in the model")
+            if (layer.d_in, layer.d_out) != shapes[key]:
+                raise LoraValidationError(
+                    f"adapter layer {key[0]} module {key[1]!r} has (d_in, d_out) = "
+                    f"{(layer.d_in, layer.d_out)}, but the model's nn.Linear is "
+                    f"(in_features, out_features) = {shapes[key]}")
+        found = {p: k for p, k in found.items() if hook.is_active(*k)}
+
+    handles = []
+    for path, key in found.items():
+        mod = model.get_submodule(path)
+        handles.append(mod.register_forward_hook(_make_hook(hook, path, key,
+                                                            mod.in_features, mod.out_features)))
+    return AttachedHooks(handles, dict(found))
+
+
+def _make_hook(hook, path, key, d_in, d_out):
+    layer_idx, module = key
+
+    def forward_hook(mod, inputs, output):
+        import torch
+        x = inputs[0]
+        if output.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(f"lorahook.torch: {path}: gradients are being recorded; lorahook's "
+                               f"hooks are for inference (use torch.inference_mode())")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        replaced = None
+        if not output.is_contiguous():
+            output = replaced = output.contiguous()
+        xin = _as_numpy(x, "input", path).reshape(-1)
+        yout = _as_numpy(output, "output", path).reshape(-1)
+        apply_lora_rows(hook, layer_idx, module, xin, yout, d_in, d_out)
+        return replaced
+
+    return forward_hook
