@@ -527,6 +527,8 @@ def _classify_non_factor(name: str) -> str:
         return "a trainable-tokens tensor (not supported)"
     if "lora_diag" in parts:
         return "a KaSA diagonal (KaSA is not supported)"
+    if "base_layer" in parts or parts[-1] in ("weight", "bias"):
+        return "a full base-model weight (as PEFT saves with save_embedding_layers); full-weight tensors are not supported"
     if any(p.startswith("lora_") for p in parts):
         return "a LoRA variant's tensor that lorahook does not know"
     return "not a LoRA factor (lora_A / lora_B); full-weight tensors are not supported"
