@@ -372,8 +372,10 @@ class LoraAdapter(LoraHook):
                 if biases is None or key not in biases:
                     raise KeyError(f"layer {key!r} has a lora_bias: biases must hold a base bias for it")
                 bv = biases[key]
-                if (not isinstance(bv, np.ndarray) or bv.dtype != np.float32
-                        or bv.shape != (layer.d_out,) or not bv.flags.writeable):
+                if not isinstance(bv, np.ndarray) or bv.dtype != np.float32:
+                    raise TypeError(f"biases[{key!r}] must be a float32 ndarray, got "
+                                    f"{type(bv).__name__} {getattr(bv, 'dtype', '')}")
+                if bv.shape != (layer.d_out,) or not bv.flags.writeable:
                     raise ValueError(f"biases[{key!r}] must be a writable float32 array of shape "
                                      f"({layer.d_out},), got {getattr(bv, 'shape', type(bv).__name__)}")
 
