@@ -422,7 +422,7 @@ cdef inline cnp.ndarray _checked_rows_buffer(object arr, Py_ssize_t n, Py_ssize_
     _check_type(arr, name)
     cdef cnp.ndarray a = <cnp.ndarray>arr
     _check_layout(a, name, writable)
-    if cnp.PyArray_SIZE(a) != n * width:
+    if n < 0 or width < 1 or cnp.PyArray_SIZE(a) % width != 0 or cnp.PyArray_SIZE(a) // width != n:
         raise ValueError(f"{name} must hold {n} rows of width {width}, got shape {_shape_str(a)}")
     return a
 
