@@ -1,0 +1,1 @@
+"""asv benchmarks for lorahook (run from benchmarks/: ``asv run --quick``)."""

@@ -1,0 +1,145 @@
+"""apply_lora_rows on the paths users hit: noop, decode, prefill, a server loop.
+
+SciPy's BLAS (lorahook's) is held to one thread, lorahook's default; the
+``threads`` parameter runs that many Python threads calling at once, each on
+its own buffers, and times the whole batch of calls (GIL-release check).
+"""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+import lorahook
+from lorahook import LoraAdapter, LoraLayer, NoopLoraHook, Qwen35Config, apply_lora_rows
+from lorahook import threads as lh_threads
+from lorahook.bench import QWEN35_0_8B
+
+
+def _layer(rng, d_in, d_out, rank):
+    a = (rng.standard_normal((rank, d_in)) / np.sqrt(d_in)).astype(np.float32)
+    b = (rng.standard_normal((d_out, rank)) / np.sqrt(rank)).astype(np.float32)
+    return LoraLayer(a, b, 2.0)
+
+
+class _Concurrent:
+    """Runs ``self._call(i)`` on ``threads`` callers at once."""
+
+    def _setup_pool(self, threads):
+        lh_threads.set_num_threads(1)
+        self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        self.threads = threads
+
+    def _run(self):
+        if self.pool is None:
+            self._call(0)
+        else:
+            list(self.pool.map(self._call, range(self.threads)))
+
+    def teardown(self, *params):
+        if getattr(self, "pool", None) is not None:
+            self.pool.shutdown()
+
+
+class Noop(_Concurrent):
+    params = [[1, 2]]
+    param_names = ["threads"]
+
+    def setup(self, threads):
+        self._setup_pool(threads)
+        self.hook = NoopLoraHook()
+        self.bufs = [(np.zeros((1, 1024), np.float32), np.zeros((1, 1024), np.float32))
+                     for _ in range(threads)]
+
+    def _call(self, i):
+        x, y = self.bufs[i]
+        for _ in range(100):
+            apply_lora_rows(self.hook, 0, "q_proj", x, y, 1024, 1024)
+
+    def time_noop_x100(self, threads):
+        self._run()
+
+
+class Rows(_Concurrent):
+    """One adapter layer, ``rows`` rows: 1 is decode (sgemv), more is prefill (sgemm)."""
+    params = [[1, 8, 128, 512], [(1024, 1024), (1024, 3584), (4096, 4096)], [8, 16, 64], [1, 2]]
+    param_names = ["rows", "shape", "rank", "threads"]
+
+    def setup(self, rows, shape, rank, threads):
+        if rows == 512 and shape != (4096, 4096):
+            raise NotImplementedError
+        self._setup_pool(threads)
+        rng = np.random.default_rng(0)
+        d_in, d_out = shape
+        self.args = (d_in, d_out)
+        self.hook = LoraAdapter({(0, "q_proj"): _layer(rng, d_in, d_out, rank)})
+        self.bufs = [(rng.standard_normal((rows, d_in)).astype(np.float32),
+                      np.zeros((rows, d_out), np.float32)) for _ in range(threads)]
+
+    def _call(self, i):
+        x, y = self.bufs[i]
+        apply_lora_rows(self.hook, 0, "q_proj", x, y, *self.args)
+
+    def time_apply(self, rows, shape, rank, threads):
+        self._run()
+
+    def peakmem_apply(self, rows, shape, rank, threads):
+        self._run()
+
+
+class ServerLoop(_Concurrent):
+    """Qwen3.5-0.8B projections, numpy base matmul then the hook (rank 16)."""
+    params = [[1, 128], [False, True], [1, 2]]
+    param_names = ["rows", "hook", "threads"]
+    timeout = 120
+
+    def setup(self, rows, hook, threads):
+        self._setup_pool(threads)
+        rng = np.random.default_rng(0)
+        cfg = Qwen35Config.from_dict(QWEN35_0_8B)
+        n_layers = 4  # one full-attention block: 3 linear-attention layers + 1 full
+        weights, layers, self.plan = {}, {}, []
+        self.inputs = [{} for _ in range(threads)]
+        for li in range(n_layers):
+            for m in cfg.modules_for_layer(li):
+                d_in, d_out = cfg.projection_shape(li, m)
+                w = (rng.standard_normal((d_out, d_in)) / np.sqrt(d_in)).astype(np.float32)
+                layers[(li, m)] = _layer(rng, d_in, d_out, 16)
+                for inp in self.inputs:
+                    inp.setdefault(d_in, rng.standard_normal((rows, d_in)).astype(np.float32))
+                self.plan.append((li, m, w.T, d_in, d_out))
+        self.hook = LoraAdapter(layers) if hook else None
+
+    def _call(self, i):
+        inputs = self.inputs[i]
+        for li, m, wt, d_in, d_out in self.plan:
+            x = inputs[d_in]
+            y = x @ wt
+            if self.hook is not None:
+                apply_lora_rows(self.hook, li, m, x, y, d_in, d_out)
+
+    def time_loop(self, rows, hook, threads):
+        self._run()
+
+    def peakmem_loop(self, rows, hook, threads):
+        self._run()
+
+
+class MixedBatch:
+    """128 rows, 8 adapters x 16 rows, 1024 -> 3584 r16 (skipped without AdapterSet)."""
+    params = [[1, 8]]
+    param_names = ["adapters"]
+
+    def setup(self, adapters):
+        AdapterSet = getattr(lorahook, "AdapterSet", None)
+        if AdapterSet is None:
+            raise NotImplementedError
+        lh_threads.set_num_threads(1)
+        rng = np.random.default_rng(0)
+        s = AdapterSet()
+        for k in range(adapters):
+            s.add(f"a{k}", LoraAdapter({(0, "up_proj"): _layer(rng, 1024, 3584, 16)}))
+        self.hook = s.bind([f"a{i * adapters // 128}" for i in range(128)])
+        self.x = rng.standard_normal((128, 1024)).astype(np.float32)
+        self.y = np.zeros((128, 3584), np.float32)
+
+    def time_mixed(self, adapters):
+        apply_lora_rows(self.hook, 0, "up_proj", self.x, self.y, 1024, 3584)

@@ -1,0 +1,484 @@
+"""Side-by-side throughput comparison (``lorahook bench``, ``benchmarks/compare.py``).
+
+Everything runs in one process.  Each contender is timed in its own block
+after a short pause, so that the previous contender's BLAS / OpenMP worker
+threads have stopped spinning; a block is a warm-up call and then repeated
+samples (fast calls are grouped so that one sample lasts at least ~0.2 ms)
+and the median per call is reported.  Contenders:
+
+* lorahook: ``apply_lora_rows`` with a :class:`~lorahook.LoraAdapter`;
+* numpy, batched: ``y += s * ((X @ A.T) @ B.T)``;
+* PyTorch, batched (when torch imports):
+  ``y.add_(F.linear(F.linear(X, A), B), alpha=s)``;
+* for the mixed batch, PEFT's ``adapter_names=`` forward on an ``nn.Linear``
+  holding the same adapters, with the base layer's forward replaced by one
+  returning zeros (LoRA part only).
+
+In the server loop, "added" is the hooked loop's median over the base
+loop's; "hook calls" is the time spent inside ``apply_lora_rows`` in the
+hooked loop (timed per call), which is far less sensitive to other load on
+the machine.
+
+GFLOP/s count ``2 * rows * rank * (d_in + d_out)`` and are compared with
+this machine's own ``sgemm`` peak (1024^3, SciPy's BLAS at the thread count
+lorahook uses) measured in the same run.  The BLAS libraries and thread
+counts in use (threadpoolctl) are printed with the table.
+
+How the sgemv/sgemm crossover was chosen
+----------------------------------------
+With SciPy's BLAS on one thread, ``apply_lora_rows`` was timed with the
+crossover forced to 1 (sgemm pair for every batch) and to infinity (two
+sgemv per row) for ``(d_in, d_out)`` in {1024->1024, 1024->3584,
+2048->2048, 4096->4096}, rank in {8, 16, 64} and 1-64 rows (median of
+60-200 calls each).  The time ratio sgemm/sgemv fell below 1 at about 4 rows
+for rank 8, at 8 rows for rank 16 (0.64-0.94 at 8 rows on four of the five
+shapes, above 1 at 6 rows on most) and at 12-16 rows for rank 64; by 16
+rows sgemm is 1.7-3x faster at ranks 8-16.  The default crossover is 8 (the
+common ranks 8-32); :func:`lorahook._rows.set_gemm_crossover` changes it.
+"""
+import argparse
+import os
+import platform
+import sys
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["run", "main", "format_report"]
+
+# Qwen3.5-0.8B text geometry (the fields the projection table needs).
+QWEN35_0_8B = {
+    "model_type": "qwen3_5_text",
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "attn_output_gate": True,
+    "full_attention_interval": 4,
+    "vocab_size": 248320,
+}
+
+
+class _Timer:
+    def __init__(self, budget, pause):
+        self.budget = budget
+        self.pause = pause
+
+    def median(self, fn, min_samples=5, max_samples=2000):
+        """Median seconds per call of ``fn`` in its own block."""
+        time.sleep(self.pause)
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        one = max(time.perf_counter() - t0, 1e-7)
+        inner = max(1, int(2e-4 / one))
+        samples = []
+        end = time.perf_counter() + self.budget
+        while len(samples) < max_samples and (len(samples) < min_samples or time.perf_counter() < end):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples.append((time.perf_counter() - t0) / inner)
+        return float(np.median(samples))
+
+
+def _rng():
+    return np.random.default_rng(1234)
+
+
+def _layer(rng, d_in, d_out, rank, scale=2.0):
+    from .adapter import LoraLayer
+    a = (rng.standard_normal((rank, d_in)) / np.sqrt(d_in)).astype(np.float32)
+    b = (rng.standard_normal((d_out, rank)) / np.sqrt(rank)).astype(np.float32)
+    return LoraLayer(a, b, scale)
+
+
+def _torch():
+    try:
+        import torch
+        import torch.nn.functional as F
+    except Exception:  # any import failure means "no torch contender"
+        return None, None
+    return torch, F
+
+
+def _sgemm_peak(timer):
+    from scipy.linalg import blas
+    m = 1024
+    a = np.asfortranarray(_rng().standard_normal((m, m)).astype(np.float32))
+    t = timer.median(lambda: blas.sgemm(1.0, a, a), min_samples=3)
+    return 2.0 * m ** 3 / t / 1e9
+
+
+def _single(timer, rng, torch, F, n, d_in, d_out, rank):
+    from . import LoraAdapter, apply_lora_rows
+    layer = _layer(rng, d_in, d_out, rank)
+    hook = LoraAdapter({(0, "q_proj"): layer})
+    X = rng.standard_normal((n, d_in)).astype(np.float32)
+    Y = np.zeros((n, d_out), np.float32)
+    a, b, s = layer.a, layer.b, np.float32(layer.scale)
+    out = {"lorahook": timer.median(lambda: apply_lora_rows(hook, 0, "q_proj", X, Y, d_in, d_out))}
+
+    def numpy_lora():
+        y = Y  # in-place update of the caller's array
+        y += s * ((X @ a.T) @ b.T)
+    out["numpy"] = timer.median(numpy_lora)
+    if torch is not None:
+        tx, ta, tb, ty = (torch.from_numpy(v) for v in (X, a.copy(), b.copy(), Y))
+        sf = float(s)
+
+        def torch_lora():
+            with torch.no_grad():
+                ty.add_(F.linear(F.linear(tx, ta), tb), alpha=sf)
+        out["torch"] = timer.median(torch_lora)
+    out["flops"] = 2.0 * n * rank * (d_in + d_out)
+    return out
+
+
+def _server_loop(timer, rng, n_rows, n_layers):
+    """Per projection: numpy base matmul, then the hook (rank 16 everywhere)."""
+    from . import LoraAdapter, Qwen35Config, apply_lora_rows
+    cfg = Qwen35Config.from_dict(QWEN35_0_8B)
+    # Base weights are shared between layers of one type (memory); adapters are per layer.
+    weights, inputs, layers, plan = {}, {}, {}, []
+    for li in range(n_layers):
+        kind = cfg.layer_type(li)
+        for m in cfg.modules_for_layer(li):
+            d_in, d_out = cfg.projection_shape(li, m)
+            if (kind, m) not in weights:
+                weights[(kind, m)] = (rng.standard_normal((d_out, d_in)) / np.sqrt(d_in)).astype(np.float32)
+            if d_in not in inputs:
+                inputs[d_in] = rng.standard_normal((n_rows, d_in)).astype(np.float32)
+            layers[(li, m)] = _layer(rng, d_in, d_out, 16)
+            plan.append((li, m, weights[(kind, m)].T, inputs[d_in], d_in, d_out))
+    hook = LoraAdapter(layers)
+    hook_time = [0.0]
+
+    def base():
+        for li, m, wt, x, d_in, d_out in plan:
+            x @ wt
+
+    def hooked():
+        for li, m, wt, x, d_in, d_out in plan:
+            y = x @ wt
+            apply_lora_rows(hook, li, m, x, y, d_in, d_out)
+
+    def hooked_timed():
+        pc = time.perf_counter
+        for li, m, wt, x, d_in, d_out in plan:
+            y = x @ wt
+            t0 = pc()
+            apply_lora_rows(hook, li, m, x, y, d_in, d_out)
+            hook_time[0] += pc() - t0
+
+    # Alternate the two blocks (each after its pause) so that slow drift in
+    # the machine's load affects both alike; report the medians of the blocks.
+    bases, hookeds = [], []
+    for _ in range(2 if timer.budget < 0.2 else 3):
+        bases.append(timer.median(base, min_samples=3))
+        hookeds.append(timer.median(hooked, min_samples=3))
+    out = {"base": float(np.median(bases)), "hooked": float(np.median(hookeds))}
+    hook_time[0] = 0.0
+    reps = 3
+    for _ in range(reps):
+        hooked_timed()
+    out["hook_only"] = hook_time[0] / reps
+    out["projections"] = len(plan)
+    return out
+
+
+def _two_threads(timer, rng, n_rows=128, d_in=1024, d_out=3584, rank=16):
+    from . import LoraAdapter, apply_lora_rows
+    hook = LoraAdapter({(0, "up_proj"): _layer(rng, d_in, d_out, rank)})
+    per_thread = [(rng.standard_normal((n_rows, d_in)).astype(np.float32),
+                   np.zeros((n_rows, d_out), np.float32)) for _ in range(2)]
+    t1 = timer.median(lambda: apply_lora_rows(hook, 0, "up_proj", *per_thread[0], d_in, d_out))
+    k = max(20, int(timer.budget * 2 / max(t1, 1e-6)))
+
+    def work(i):
+        x, y = per_thread[i]
+        for _ in range(k):
+            apply_lora_rows(hook, 0, "up_proj", x, y, d_in, d_out)
+
+    def block(nthreads):
+        time.sleep(timer.pause)
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(nthreads)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    one = min(block(1) for _ in range(2))
+    two = min(block(2) for _ in range(2))
+    return {"one": one / k, "two": two / (2 * k), "speedup": 2 * one / two}
+
+
+def _mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=16):
+    try:
+        from .serving import AdapterSet
+    except ImportError:
+        return {"skip": "lorahook.AdapterSet is not available"}
+    from . import LoraAdapter, apply_lora_rows
+    n = n_adapters * per
+    names = [f"a{i}" for i in range(n_adapters)]
+    row_names = [names[i // per] for i in range(n)]
+    X = rng.standard_normal((n, d_in)).astype(np.float32)
+    Y = np.zeros((n, d_out), np.float32)
+    layers = [_layer(rng, d_in, d_out, rank) for _ in names]
+    aset = AdapterSet()
+    for name, layer in zip(names, layers):
+        aset.add(name, LoraAdapter({(0, "up_proj"): layer}))
+    bound = aset.bind(row_names)
+    out = {"lorahook": timer.median(lambda: apply_lora_rows(bound, 0, "up_proj", X, Y, d_in, d_out))}
+    single = LoraAdapter({(0, "up_proj"): layers[0]})
+    out["single"] = timer.median(lambda: apply_lora_rows(single, 0, "up_proj", X, Y, d_in, d_out))
+    out["flops"] = 2.0 * n * rank * (d_in + d_out)
+    try:
+        import peft
+        from peft import LoraConfig, get_peft_model
+    except Exception:
+        out["peft_skip"] = "peft is not installed"
+        return out
+    if torch is None:
+        out["peft_skip"] = "torch is not installed"
+        return out
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up_proj = torch.nn.Linear(d_in, d_out, bias=False)
+
+        def forward(self, x):
+            return self.up_proj(x)
+
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["up_proj"], lora_dropout=0.0)
+    model = get_peft_model(Net(), cfg, adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, LoraConfig(r=rank, lora_alpha=2 * rank,
+                                           target_modules=["up_proj"], lora_dropout=0.0))
+    lora_linear = model.base_model.model.up_proj
+    with torch.no_grad():
+        for name, layer in zip(names, layers):
+            lora_linear.lora_A[name].weight.copy_(torch.from_numpy(layer.a.copy()))
+            lora_linear.lora_B[name].weight.copy_(torch.from_numpy(layer.b.copy()))
+    zeros_shape = (n, d_out)
+    lora_linear.base_layer.forward = lambda x, *a, **k: torch.zeros(zeros_shape, dtype=x.dtype)
+    tx = torch.from_numpy(X)
+    model.eval()
+
+    def peft_mixed():
+        with torch.no_grad():
+            return lora_linear(tx, adapter_names=row_names)
+    out["peft"] = timer.median(peft_mixed)
+    # sanity: the same delta (scale alpha / r = 2 on both sides)
+    ref = peft_mixed().numpy()
+    got = np.zeros_like(Y)
+    apply_lora_rows(bound, 0, "up_proj", X, got, d_in, d_out)
+    out["max_rel_diff"] = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+    out["peft_version"] = peft.__version__
+    return out
+
+
+def _thread_study(timer, rng):
+    """The same cases with SciPy's BLAS on 1 thread and on every core."""
+    from . import threads
+    cores = os.cpu_count() or 1
+    old = threads.get_num_threads()
+    timer = _Timer(budget=min(timer.budget, 0.15), pause=timer.pause)
+    rows = []
+    try:
+        for nt in sorted({1, cores}):
+            threads.set_num_threads(nt)
+            lone = _single(timer, rng, None, None, 512, 4096, 4096, 16)["lorahook"]
+            dec = _single(timer, rng, None, None, 1, 4096, 4096, 64)["lorahook"]
+            loop = _server_loop(timer, rng, 128, 4)
+            two = _two_threads(timer, rng)
+            rows.append((nt, lone, dec, loop["base"], loop["hooked"], two["speedup"]))
+    finally:
+        threads.set_num_threads(old)
+    return rows
+
+
+def run(progress=None, quick=False, thread_study=None):
+    """Run every scenario; returns a dict (see :func:`format_report`).
+
+    ``progress(done, total, label)`` is called before each step.  ``quick``
+    shortens every block; ``thread_study`` (default: not ``quick``) adds the
+    SciPy BLAS 1-thread vs all-cores comparison.
+    """
+    from . import NoopLoraHook, apply_lora_rows
+    from . import threads
+    if thread_study is None:
+        thread_study = not quick
+    timer = _Timer(budget=0.08 if quick else 0.4, pause=0.05 if quick else 0.25)
+    torch, F = _torch()
+    rng = _rng()
+    steps = [
+        ("sgemm peak", None),
+        ("noop", None),
+        ("decode 1 row 1024->1024 r16", (1, 1024, 1024, 16)),
+        ("decode 1 row 4096->4096 r64", (1, 4096, 4096, 64)),
+        ("prefill 256 rows 1024->3584 r16", (256, 1024, 3584, 16)),
+        ("prefill 512 rows 4096->4096 r16", (512, 4096, 4096, 16)),
+        ("server decode 1 row x 24 layers", (1, 24)),
+        ("server prefill 128 rows x 4 layers", (128, 4)),
+        ("two threads x 128 rows", None),
+        ("mixed 128 rows, 8 adapters x 16 rows, 1024->3584 r16", None),
+    ]
+    if thread_study:
+        steps.append(("thread study", None))
+    res = {"single": {}, "server": {}, "quick": quick}
+    for i, (label, params) in enumerate(steps):
+        if progress is not None:
+            progress(i, len(steps), label)
+        if label == "sgemm peak":
+            res["peak"] = _sgemm_peak(timer)
+        elif label == "noop":
+            x = np.zeros((1, 1024), np.float32)
+            y = np.zeros((1, 1024), np.float32)
+            noop = NoopLoraHook()
+            res["noop"] = timer.median(lambda: apply_lora_rows(noop, 0, "q_proj", x, y, 1024, 1024))
+        elif label.startswith(("decode", "prefill")):
+            res["single"][label] = _single(timer, rng, torch, F, *params)
+        elif label.startswith("server"):
+            res["server"][label] = _server_loop(timer, rng, *params)
+        elif label.startswith("two threads"):
+            res["threads"] = _two_threads(timer, rng)
+        elif label.startswith("mixed"):
+            res["mixed"] = dict(_mixed(timer, rng, torch), label=label)
+        elif label == "thread study":
+            res["thread_study"] = _thread_study(timer, rng)
+    if progress is not None:
+        progress(len(steps), len(steps), "done")
+    res["blas"] = threads.blas_info()
+    res["torch"] = None if torch is None else (torch.__version__, torch.get_num_threads())
+    res["lorahook_threads"] = threads.get_num_threads()
+    return res
+
+
+def _ms(t):
+    return f"{t * 1e3:.3f}" if t < 1e-2 else f"{t * 1e3:.1f}"
+
+
+def format_report(res):
+    """The table and notes for a :func:`run` result, as one string."""
+    lines, targets = [], []
+    peak = res["peak"]
+    lines.append(f"sgemm peak (1024^3, SciPy BLAS, {res['lorahook_threads']} thread(s)): {peak:.1f} GFLOP/s")
+    lines.append("")
+    hdr = f"{'scenario':36} {'lorahook ms':>11} {'numpy ms':>9} {'torch ms':>9} {'lh/np':>6} {'lh/pt':>6} {'GFLOP/s':>8} {'%peak':>6}"
+    lines.append(hdr)
+    lines.append("-" * len(hdr))
+    lines.append(f"{'noop':36} {_ms(res['noop']):>11}")
+    for label, r in res["single"].items():
+        t = r["lorahook"]
+        pt = r.get("torch")
+        gf = r["flops"] / t / 1e9
+        lines.append(f"{label:36} {_ms(t):>11} {_ms(r['numpy']):>9} {(_ms(pt) if pt else '-'):>9} "
+                     f"{t / r['numpy']:6.2f} {(f'{t / pt:6.2f}' if pt else '     -')} {gf:8.1f} {100 * gf / peak:5.0f}%")
+    s = res["single"]
+    d1 = s["decode 1 row 1024->1024 r16"]
+    p256 = s["prefill 256 rows 1024->3584 r16"]
+    p512 = s["prefill 512 rows 4096->4096 r16"]
+    targets.append(("decode 1024 r16: lorahook / numpy", d1["lorahook"] / d1["numpy"], 0.75))
+    if "torch" in d1:
+        targets.append(("decode 1024 r16: lorahook / torch", d1["lorahook"] / d1["torch"], 0.5))
+        targets.append(("prefill 256 1024->3584: lorahook / torch", p256["lorahook"] / p256["torch"], 0.7))
+    targets.append(("prefill 256 1024->3584: lorahook / numpy", p256["lorahook"] / p256["numpy"], 0.5))
+    if "torch" in p512:
+        targets.append(("prefill 512 4096->4096: lorahook / torch", p512["lorahook"] / p512["torch"], 0.8))
+    targets.append(("noop / decode 1024 r16", res["noop"] / d1["lorahook"], 0.2))
+    lines.append("")
+    lines.append(f"{'server loop (Qwen3.5-0.8B, r16)':36} {'base ms':>9} {'hooked ms':>10} {'added':>7} {'hook calls ms':>14} {'calls/base':>10}")
+    for label, r in res["server"].items():
+        add = r["hooked"] / r["base"] - 1
+        lines.append(f"{label:36} {_ms(r['base']):>9} {_ms(r['hooked']):>10} {100 * add:6.1f}% {_ms(r['hook_only']):>14}"
+                     f" {100 * r['hook_only'] / r['base']:9.1f}%  ({r['projections']} projections)")
+        limit = 0.12 if "decode" in label else 0.15
+        targets.append((f"{label}: added time", add, limit))
+    th = res["threads"]
+    lines.append("")
+    lines.append(f"two Python threads x 128 rows 1024->3584 r16: one thread {_ms(th['one'])} ms/call, "
+                 f"two threads {_ms(th['two'])} ms/call, throughput x{th['speedup']:.2f}")
+    targets.append(("two threads: throughput vs one (>=)", th["speedup"], 1.5))
+    mx = res.get("mixed", {})
+    lines.append("")
+    if "skip" in mx:
+        lines.append(f"mixed batch: skipped ({mx['skip']})")
+    else:
+        line = (f"{mx['label']}: lorahook {_ms(mx['lorahook'])} ms, single adapter {_ms(mx['single'])} ms, "
+                f"{mx['flops'] / mx['lorahook'] / 1e9:.1f} GFLOP/s")
+        if "peft" in mx:
+            line += (f", PEFT {mx['peft_version']} adapter_names= {_ms(mx['peft'])} ms "
+                     f"(lh/peft {mx['lorahook'] / mx['peft']:.2f}; max rel diff {mx['max_rel_diff']:.1e})")
+            targets.append(("mixed: lorahook / PEFT", mx["lorahook"] / mx["peft"], 0.3))
+        else:
+            line += f"; PEFT skipped ({mx['peft_skip']})"
+        lines.append(line)
+        targets.append(("mixed: lorahook / single adapter", mx["lorahook"] / mx["single"], 2.5))
+    if res.get("thread_study"):
+        lines.append("")
+        lines.append("SciPy BLAS threads (lorahook's kernels):")
+        lines.append(f"  {'threads':>7} {'prefill 512 4096 ms':>20} {'decode 4096 r64 ms':>19} "
+                     f"{'loop base ms':>13} {'loop hooked ms':>15} {'2 callers x':>12}")
+        for nt, lone, dec, base, hooked, sp in res["thread_study"]:
+            lines.append(f"  {nt:>7} {_ms(lone):>20} {_ms(dec):>19} {_ms(base):>13} {_ms(hooked):>15} {sp:12.2f}")
+    lines.append("")
+    lines.append(f"{'target':48} {'value':>7} {'limit':>6} met")
+    for name, value, limit in targets:
+        ok = value >= limit if "(>=)" in name else value <= limit
+        lines.append(f"{name:48} {value:7.3f} {limit:6.2f} {'yes' if ok else 'NO'}")
+    lines.append("")
+    lines.append("BLAS libraries (threadpoolctl):")
+    for lib in res["blas"]:
+        mark = "  <- lorahook" if lib.get("lorahook") else ""
+        lines.append(f"  {lib.get('internal_api')} {lib.get('version')} {lib.get('num_threads')} threads "
+                     f"{lib.get('filepath')}{mark}")
+    if res["torch"]:
+        lines.append(f"  torch {res['torch'][0]}: {res['torch'][1]} intra-op threads")
+    else:
+        lines.append("  torch: not installed (PyTorch columns skipped)")
+    lines.append(f"  {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+                 f"{', quick run' if res['quick'] else ''}")
+    return "\n".join(lines)
+
+
+def _progress_bar(stream):
+    def progress(done, total, label):
+        width = 24
+        fill = width * done // max(total, 1)
+        stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {label[:48]:48}")
+        if done == total:
+            stream.write("\n")
+        stream.flush()
+    return progress
+
+
+def main(argv=None):
+    """``lorahook bench [--quick] [--no-thread-study]``; returns an exit code."""
+    parser = argparse.ArgumentParser(prog="lorahook bench", description=(
+        "Time lorahook against numpy and PyTorch on decode, prefill and server-loop scenarios."))
+    parser.add_argument("--quick", action="store_true", help="short blocks (a rough run in ~30 s)")
+    parser.add_argument("--no-thread-study", action="store_true",
+                        help="skip the SciPy BLAS 1-thread vs all-cores comparison")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    args = parser.parse_args(argv)
+    progress = None if args.no_progress else _progress_bar(sys.stderr)
+    res = run(progress=progress, quick=args.quick,
+              thread_study=False if args.no_thread_study else None)
+    print(format_report(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
