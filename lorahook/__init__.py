@@ -5,6 +5,7 @@ from .errors import LoraFormatError, LoraValidationError
 from .geometry import BertConfig, Qwen35Config
 from .hook import LoraHook, NoopLoraHook, apply_lora_rows
 from .serving import AdapterSet, BoundBatch
+from .threads import get_num_threads, set_num_threads
 
 __version__ = "0.1.0"
 
@@ -21,5 +22,7 @@ __all__ = [
     "BertConfig",
     "AdapterSet",
     "BoundBatch",
+    "get_num_threads",
+    "set_num_threads",
     "DEBUG_BUILD",
 ]

@@ -160,12 +160,20 @@ cdef int _check_layout(cnp.ndarray a, str name, bint writable) except -1:
     return 0
 
 
+cdef object _as_int(object v, str name):
+    """``operator.index(v)`` for integer-like objects other than bool, else TypeError naming ``name``."""
+    if not isinstance(v, bool):
+        try:
+            return operator.index(v)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
+
+
 cdef Py_ssize_t _as_width(object w, str name) except -1:
     cdef Py_ssize_t v
     if type(w) is not int:
-        if isinstance(w, bool) or not hasattr(type(w), "__index__"):
-            raise TypeError(f"{name} must be an int, got {type(w).__name__} ({w!r})")
-        w = operator.index(w)
+        w = _as_int(w, name)
     if w <= 0:
         raise ValueError(f"{name} must be > 0, got {w}")
     if w > INT_MAX:
@@ -243,9 +251,7 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, out
         raise ValueError(
             f"this hook was bound for a batch of {bound} rows, got {n} rows")
     if type(layer_idx) is not int:
-        if isinstance(layer_idx, bool) or not hasattr(type(layer_idx), "__index__"):
-            raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__}")
-        layer_idx = operator.index(layer_idx)
+        layer_idx = _as_int(layer_idx, "layer_idx")
     if layer_idx < 0:
         raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
     if type(module) is not str:

@@ -18,6 +18,7 @@ from .hook import LoraHook
 __all__ = ["LoraLayer", "LoraAdapter", "blend"]
 
 _INT_MAX = 2**31 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _finite_scale(value, name):
@@ -26,6 +27,8 @@ def _finite_scale(value, name):
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    if abs(value) > _FLOAT32_MAX:
+        raise ValueError(f"{name} must fit in float32 (|{name}| <= {_FLOAT32_MAX:.7g}), got {value}")
     return value
 
 
