@@ -16,10 +16,11 @@ left alone).  The reasons, measured on a 2-core machine with
   pools hand the cores back and forth: each pool's idle workers spin for a
   while after a call, so the other pool's next call competes with them.  With
   SciPy's BLAS on one thread the hook costs what its flops cost.
-* LoRA updates are thin: ``(rows x d_in) @ (d_in x rank)`` and
-  ``(rows x rank) @ (rank x d_out)`` with a rank of 8-64.  Even the largest
-  benchmark case (512 rows, 4096 -> 4096, rank 16) gains little or nothing
-  from a second BLAS thread, and ``sgemv`` (decode) never does.
+* Decode (``sgemv``, one row) is slower with a second BLAS thread.  A lone
+  large batched call is faster with two (512 rows, 4096 -> 4096, rank 16:
+  about 1.4x on 2 cores), which is the price of this default: a program that
+  makes such calls alone, with no other BLAS work around them, can call
+  ``set_num_threads(2)``.
 * Several Python threads calling lorahook at once (the kernels release the
   GIL) scale only when each call stays on its own core; BLAS threads inside
   every call oversubscribe the machine.
