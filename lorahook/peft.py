@@ -59,6 +59,10 @@ _DTYPE_SIZES = {
     "C64": 8,
 }
 _SUPPORTED_DTYPES = ("F32", "F16", "BF16")
+# Largest dimension accepted in a tensor shape.
+_MAX_DIM = 2**31 - 1
+# Largest finite float32; scales beyond it would turn every update into inf.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # --------------------------------------------------------------------------------------------
 # Module paths
@@ -70,7 +74,7 @@ _QWEN_GROUPS = {
     "mlp": ("gate_proj", "up_proj", "down_proj"),
 }
 _QWEN_MODULE_GROUP = {m: g for g, ms in _QWEN_GROUPS.items() for m in ms}
-_QWEN_RE = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(self_attn|linear_attn|mlp)\.(\w+)$")
+_QWEN_RE = re.compile(r"^model\.(?:language_model\.)?layers\.(\d{1,9})\.(self_attn|linear_attn|mlp)\.(\w+)$")
 
 _BERT_SUFFIX = {
     "attention.self.query": "query",
@@ -82,7 +86,7 @@ _BERT_SUFFIX = {
 }
 _BERT_MODULE_SUFFIX = {m: s for s, m in _BERT_SUFFIX.items()}
 _BERT_RE = re.compile(
-    r"^(?:bert\.)?encoder\.layer\.(\d+)\.("
+    r"^(?:bert\.)?encoder\.layer\.(\d{1,9})\.("
     + "|".join(re.escape(s) for s in _BERT_SUFFIX)
     + r")$"
 )
@@ -207,8 +211,8 @@ def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[st
         raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise LoraFormatError(f"{where}: safetensors header is not valid JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise LoraFormatError(f"{where}: safetensors header is not valid JSON: {exc!r}"[:500]) from None
     if not isinstance(header, dict):
         raise LoraFormatError(f"{where}: safetensors header must be a JSON object, found {type(header).__name__}")
 
@@ -227,11 +231,11 @@ def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[st
         if not isinstance(info, dict):
             raise LoraFormatError(f"{where}: tensor {name!r}: header entry must be an object, found {info!r}")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in _DTYPE_SIZES:
             raise LoraFormatError(f"{where}: tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise LoraFormatError(
-                f"{where}: tensor {name!r}: shape must be a list of non-negative integers, found {shape!r}"
+                f"{where}: tensor {name!r}: shape must be a list of non-negative integers, found {_short(shape)}"
             )
         if (
             not isinstance(offsets, list)
@@ -252,8 +256,12 @@ def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[st
         expected = math.prod(shape) * _DTYPE_SIZES[dtype]
         if end - begin != expected:
             raise LoraFormatError(
-                f"{where}: tensor {name!r}: {dtype} {tuple(shape)} needs {expected} bytes but data_offsets "
+                f"{where}: tensor {name!r}: {dtype} {_short(tuple(shape))} needs {_short(expected)} bytes but data_offsets "
                 f"[{begin}, {end}] span {end - begin}"
+            )
+        if any(d > _MAX_DIM for d in shape):
+            raise LoraFormatError(
+                f"{where}: tensor {name!r}: shape {_short(shape)} has a dimension larger than {_MAX_DIM}"
             )
         tensors[name] = {"dtype": dtype, "shape": tuple(shape), "data_offsets": (begin, end)}
 
@@ -354,8 +362,39 @@ def _is_empty(value: Any) -> bool:
 
 
 def _number(value: Any, what: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LoraFormatError(f"{where}: {what} must be a finite number, found {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise LoraFormatError(f"{where}: {what} must be a finite number, found {_short(value)}")
+    return value
+
+
+def _short(value: Any) -> str:
+    """A bounded-length repr (never raises for huge integers)."""
+    if isinstance(value, int) and value.bit_length() >= 1000:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        text = f"a {type(value).__name__} too large to show"
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _check_scale(scale: Any, what: str, where: str) -> float:
+    """``scale`` as a float, refused when it is not finite or overflows float32."""
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        raise LoraFormatError(
+            f"{where}: {what} gives a scale of {value!r}, which is not representable as a finite float32 "
+            f"(largest {_FLOAT32_MAX!r})"
+        )
     return value
 
 
@@ -391,6 +430,8 @@ class _Config:
                 f"layers' biases, which are not stored as LoRA factors"
             )
         init = raw.get("init_lora_weights", True)
+        if not isinstance(init, (bool, str)):
+            raise LoraFormatError(f"{where}: init_lora_weights must be a boolean or a string, found {_short(init)}")
         if isinstance(init, str) and any(init.lower().startswith(p) for p in _BASE_MODIFYING_INITS):
             raise LoraFormatError(
                 f"{where}: init_lora_weights={init!r} is not supported: PEFT rewrites the base model's weights "
@@ -435,12 +476,16 @@ class _Config:
             isinstance(tm, list) and all(isinstance(t, str) for t in tm)
         ):
             raise LoraFormatError(f"{where}: target_modules must be a string or a list of strings, found {tm!r}")
+        if isinstance(tm, str) and tm != "all-linear":
+            self._compile(tm, "target_modules")
         self.target_modules = tm
         em = raw.get("exclude_modules")
         if em is not None and not isinstance(em, str) and not (
             isinstance(em, list) and all(isinstance(t, str) for t in em)
         ):
             raise LoraFormatError(f"{where}: exclude_modules must be a string or a list of strings, found {em!r}")
+        if isinstance(em, str):
+            self._compile(em, "exclude_modules")
         self.exclude_modules = em
         lt = raw.get("layers_to_transform")
         if lt is not None and not _is_int(lt) and not (isinstance(lt, list) and all(_is_int(i) for i in lt)):
@@ -455,6 +500,12 @@ class _Config:
         self.base_model = raw.get("base_model_name_or_path")
         self.revision = raw.get("revision")
 
+    def _compile(self, pattern: str, key: str) -> None:
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise LoraFormatError(f"{self.where}: {key}={_short(pattern)} is not a valid regular expression: {exc}") from None
+
     def _pattern(self, raw: dict, key: str, integer: bool) -> Dict[str, Any]:
         value = raw.get(key)
         if value is None:
@@ -464,7 +515,7 @@ class _Config:
         for k, v in value.items():
             try:
                 re.compile(k)
-            except re.error as exc:
+            except (re.error, RecursionError, OverflowError) as exc:
                 raise LoraFormatError(f"{self.where}: {key} key {k!r} is not a valid regular expression: {exc}") from None
             if integer:
                 if not _is_int(v) or v <= 0:
@@ -479,8 +530,14 @@ class _Config:
         _, alpha = _pattern_lookup(self.alpha_pattern, path)
         r = self.r if r is None else r
         alpha = self.lora_alpha if alpha is None else alpha
-        scale = alpha / math.sqrt(r) if self.use_rslora else alpha / r
-        return r, float(scale)
+        try:
+            scale = alpha / math.sqrt(r) if self.use_rslora else alpha / r
+        except OverflowError:
+            raise LoraFormatError(
+                f"{self.where}: module {path!r}: lora_alpha={_short(alpha)} / r={_short(r)} cannot be computed "
+                f"(too large)"
+            ) from None
+        return r, _check_scale(scale, f"module {path!r}: lora_alpha={_short(alpha)} with r={_short(r)}", self.where)
 
     def targets(self, path: str, layer_idx: int) -> Optional[str]:
         """``None`` when PEFT would place a LoRA layer on ``path``, else the reason it would not."""
@@ -620,7 +677,7 @@ def _build(
         bias = arrays[e["bias"]] if "bias" in e else None
         try:
             layers[key] = LoraLayer(arrays[e["A"]], arrays[e["B"]], scale=scales[key], bias=bias)
-        except ValueError as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             raise LoraFormatError(f"{weights_path}: module {e['path']!r}: {exc}") from None
         paths[key] = e["path"]
     if not layers:
@@ -674,8 +731,8 @@ def load_peft(path: os.PathLike):
     try:
         with open(config_path, "rb") as f:
             raw = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise LoraFormatError(f"{config_path}: not valid JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise LoraFormatError(f"{config_path}: not valid JSON: {exc!r}"[:500]) from None
     config = _Config(raw, str(config_path))
 
     file_tensors, file_meta, _, _ = read_safetensors_header(weights_path)
@@ -748,7 +805,11 @@ def load_safetensors(path: os.PathLike, alpha: Optional[float] = None):
         if rank == 0:
             scales[key] = 1.0
         else:
-            scales[key] = float((rank if alpha is None else alpha) / rank)
+            try:
+                scale = (rank if alpha is None else alpha) / rank
+            except OverflowError:
+                scale = math.inf
+            scales[key] = _check_scale(scale, f"module {entry['path']!r}: alpha={_short(alpha)} with rank {rank}", where)
     metadata = _file_metadata(file_meta)
     name = metadata.get("name") or weights_path.stem
     return _build(weights_path, file_tensors, entries, scales, name, metadata)
