@@ -46,6 +46,7 @@ Not supported (refused with a clear error rather than silently wrong):
 import re
 
 from .hook import LoraHook, apply_lora_rows
+from .peft import _BERT_SUFFIX
 
 __all__ = ["attach", "default_mapping", "token_rows", "AttachedHooks"]
 
@@ -54,17 +55,8 @@ _QWEN35 = re.compile(
     r"(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj|"
     r"gate_proj|up_proj|down_proj)$")
 _BERT = re.compile(
-    r"(?:^|\.)encoder\.layer\.(\d+)\."
-    r"(attention\.self\.query|attention\.self\.key|attention\.self\.value|"
-    r"attention\.output\.dense|intermediate\.dense|output\.dense)$")
-_BERT_NAMES = {
-    "attention.self.query": "query",
-    "attention.self.key": "key",
-    "attention.self.value": "value",
-    "attention.output.dense": "attn_output",
-    "intermediate.dense": "ffn_intermediate",
-    "output.dense": "ffn_output",
-}
+    r"(?:^|\.)encoder\.layer\.(\d+)\.("
+    + "|".join(re.escape(suffix) for suffix in _BERT_SUFFIX) + r")$")
 
 
 def default_mapping(path):
@@ -74,7 +66,7 @@ def default_mapping(path):
         return int(m.group(1)), m.group(2)
     m = _BERT.search(path)
     if m:
-        return int(m.group(1)), _BERT_NAMES[m.group(2)]
+        return int(m.group(1)), _BERT_SUFFIX[m.group(2)]
     return None
 
 
