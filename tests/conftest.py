@@ -9,3 +9,13 @@ settings.register_profile("ci", max_examples=200, deadline=None, suppress_health
 settings.register_profile("dev", max_examples=50, deadline=None, suppress_health_check=_QUIET)
 settings.register_profile("thorough", max_examples=2000, deadline=None, suppress_health_check=_QUIET)
 settings.load_profile(os.environ.get("LORAHOOK_HYPOTHESIS_PROFILE", "ci"))
+
+# Child processes started by tests must import the same lorahook as the tests
+# (the installed package in CI, an in-place build during development), not
+# whatever the current directory holds: they run from this directory with the
+# parent's import root on PYTHONPATH.
+import lorahook as _lorahook
+
+_IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(_lorahook.__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (_IMPORT_ROOT, os.environ.get("PYTHONPATH")) if p)

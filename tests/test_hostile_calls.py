@@ -5,6 +5,7 @@ Every bad call must raise ``TypeError`` (wrong type, dtype, non-integer width) o
 asked anything and before a byte of the output changes.
 """
 import array
+import os
 import fractions
 import decimal
 import subprocess
@@ -461,7 +462,8 @@ def test_huge_row_count_with_empty_buffers_does_not_crash():
                 raise SystemExit("apply_groups accepted width %d" % d)
         print("ok")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
 
 

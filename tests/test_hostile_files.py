@@ -512,7 +512,8 @@ def _limit_memory():
 def run_in_child(paths, timeout=120):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", CHILD, *map(str, paths)], capture_output=True,
-                          text=True, timeout=timeout, preexec_fn=_limit_memory, env=env)
+                          text=True, timeout=timeout, preexec_fn=_limit_memory, env=env,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert proc.returncode == 0, (
         f"child died with {proc.returncode} (a crash or a runaway allocation)\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -548,7 +549,8 @@ def test_child_memory_limit_really_bites(tmp_path):
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     code = "import numpy as np\ntry:\n    a = np.ones(2**30, np.float32)\n    print('allocated')\nexcept MemoryError:\n    print('refused')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          preexec_fn=_limit_memory, env=env)
+                          preexec_fn=_limit_memory, env=env,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert "allocated" not in proc.stdout
 
 

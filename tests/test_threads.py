@@ -10,6 +10,8 @@ threadpoolctl = pytest.importorskip("threadpoolctl")
 
 from lorahook import LoraAdapter, LoraLayer, apply_lora_rows, threads
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 def _scipy_blas_entries():
     import scipy.linalg.cython_blas  # noqa: F401
@@ -44,7 +46,7 @@ def test_default_is_one_thread_on_import():
             "c = t.blas_controller().lib_controllers[0];"
             "print(c.num_threads, t.get_num_threads())")
     env = {k: v for k, v in os.environ.items() if k != "LORAHOOK_NUM_THREADS"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == [str(threads.DEFAULT_NUM_THREADS)] * 2
 
@@ -52,13 +54,13 @@ def test_default_is_one_thread_on_import():
 def test_environment_override_and_keep():
     code = "import lorahook.threads as t; print(t.get_num_threads())"
     base = {k: v for k, v in os.environ.items() if k != "LORAHOOK_NUM_THREADS"}
-    out = subprocess.run([sys.executable, "-c", code], env=dict(base, LORAHOOK_NUM_THREADS="2"),
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=dict(base, LORAHOOK_NUM_THREADS="2"),
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "2"
-    bad = subprocess.run([sys.executable, "-c", code], env=dict(base, LORAHOOK_NUM_THREADS="zero"),
+    bad = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=dict(base, LORAHOOK_NUM_THREADS="zero"),
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "LORAHOOK_NUM_THREADS" in bad.stderr
-    keep = subprocess.run([sys.executable, "-c", code], env=dict(base, LORAHOOK_NUM_THREADS="keep"),
+    keep = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=dict(base, LORAHOOK_NUM_THREADS="keep"),
                           capture_output=True, text=True, check=True).stdout.strip()
     assert int(keep) >= 1
 
