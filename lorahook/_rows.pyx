@@ -31,6 +31,8 @@ from scipy.linalg.cython_blas cimport sgemm, sgemv, saxpy, sscal
 
 import operator
 
+import numpy as np
+
 cnp.import_array()
 
 cdef extern from *:
@@ -295,6 +297,8 @@ cdef class LayerKernel:
         self.d_out = <int>d_out
         self.scale = <float>scale
         self.has_bias = bias is not None
+        if self.has_bias and rank == 0:
+            raise ValueError("a rank-0 layer cannot carry a bias")
         if self.has_bias:
             self.bias = bias
             if self.bias.shape[0] != d_out:
@@ -372,7 +376,7 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
         return 0
 
     # batched: chunks sized so scratch stays within the per-thread cache
-    per_row = rank + (d_in + d_out if gather else 0)
+    per_row = <Py_ssize_t>rank + (<Py_ssize_t>d_in + d_out if gather else 0)
     cap = <Py_ssize_t>LORAHOOK_SCRATCH_CACHE_FLOATS // per_row
     chunk = n if n < cap else cap
     if chunk < 1:
@@ -462,17 +466,41 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
     """
     cdef cnp.ndarray x = _checked_rows_buffer(input, n_rows, d_in, "input", False)
     cdef cnp.ndarray y = _checked_rows_buffer(output, n_rows, d_out, "output", True)
-    cdef Py_ssize_t g, m, i, ng = len(groups)
+    cdef Py_ssize_t g, m, i, ng
     cdef LayerKernel layer
     cdef cnp.ndarray rows, rs
     cdef const int *rp
+    # First pass: everything that can run Python code (unpacking, __float__,
+    # copies) happens here, into objects only this call holds.  The second
+    # pass then checks and points at those private copies, so nothing done
+    # by other code -- in a callback or in another thread once the GIL is
+    # released -- can move an index or free an array the kernel uses.
+    owned = []
+    for g, item in enumerate(tuple(groups)):
+        layer_obj, scale, rows_obj, rs_obj = item
+        if not isinstance(layer_obj, LayerKernel):
+            raise TypeError(f"group {g}: expected a LayerKernel, got {type(layer_obj).__name__}")
+        scale = float(scale)
+        if rows_obj is not None:
+            rows = <cnp.ndarray?>rows_obj
+            if (cnp.PyArray_TYPE(rows) != cnp.NPY_INT32 or cnp.PyArray_NDIM(rows) != 1
+                    or not cnp.PyArray_ISNOTSWAPPED(rows)):
+                raise TypeError(f"group {g}: rows must be a 1-D int32 array in native byte order")
+            rows_obj = np.array(rows, dtype=np.int32, order="C", copy=True, subok=False)
+        if rs_obj is not None:
+            rs = <cnp.ndarray?>rs_obj
+            if (cnp.PyArray_TYPE(rs) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(rs) != 1
+                    or not cnp.PyArray_ISNOTSWAPPED(rs)):
+                raise TypeError(f"group {g}: row_scales must be a 1-D float32 array in native byte order")
+            rs_obj = np.array(rs, dtype=np.float32, order="C", copy=True, subok=False)
+        owned.append((layer_obj, scale, rows_obj, rs_obj))
+    ng = len(owned)
     if ng == 0 or n_rows == 0:
         return
     segs_obj = bytearray(ng * sizeof(Segment))
     cdef Segment *segs = <Segment *><char *>segs_obj
-    keep = []
     for g in range(ng):
-        layer, scale, rows_obj, rs_obj = groups[g]
+        layer, scale, rows_obj, rs_obj = owned[g]
         if layer.d_in != d_in or layer.d_out != d_out:
             raise ValueError(
                 f"group {g}: layer shape (d_in, d_out) = ({layer.d_in}, {layer.d_out}) "
@@ -483,10 +511,7 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
             segs[g].n_rows = n_rows
             m = n_rows
         else:
-            rows = <cnp.ndarray?>rows_obj
-            if (cnp.PyArray_TYPE(rows) != cnp.NPY_INT32 or cnp.PyArray_NDIM(rows) != 1
-                    or not cnp.PyArray_IS_C_CONTIGUOUS(rows)):
-                raise TypeError(f"group {g}: rows must be a 1-D C-contiguous int32 array")
+            rows = <cnp.ndarray>rows_obj
             m = cnp.PyArray_DIM(rows, 0)
             rp = <const int *>cnp.PyArray_DATA(rows)
             for i in range(m):
@@ -495,14 +520,11 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
                         f"group {g}: rows must be strictly ascending indices in [0, {n_rows})")
             segs[g].rows = rp
             segs[g].n_rows = m
-            keep.append(rows)
         if rs_obj is not None:
-            rs = <cnp.ndarray?>rs_obj
-            if (cnp.PyArray_TYPE(rs) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(rs) != 1
-                    or not cnp.PyArray_IS_C_CONTIGUOUS(rs) or cnp.PyArray_DIM(rs, 0) != m):
+            rs = <cnp.ndarray>rs_obj
+            if cnp.PyArray_DIM(rs, 0) != m:
                 raise TypeError(f"group {g}: row_scales must be a 1-D float32 array of {m} values")
             segs[g].row_scales = <const float *>cnp.PyArray_DATA(rs)
-            keep.append(rs)
     cdef const float *X = <const float *>cnp.PyArray_DATA(x)
     cdef float *Y = <float *>cnp.PyArray_DATA(y)
     cdef int rc = 0
