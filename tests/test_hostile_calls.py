@@ -507,3 +507,38 @@ def test_set_gemm_crossover_refuses(value):
     with pytest.raises((TypeError, ValueError)):
         _rows.set_gemm_crossover(value)
     assert _rows.get_gemm_crossover() == old
+
+
+def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
+    """A scale's __float__ that rewrites rows, empties the group list or frees layers cannot
+    make the kernel write out of bounds or read freed memory (run in a child: a crash fails)."""
+    code = textwrap.dedent("""
+        import gc
+        import numpy as np
+        from lorahook import _rows
+        x = np.ones((4, 8), np.float32)
+        k = _rows.LayerKernel(np.ones((2, 8), np.float32), np.ones((8, 2), np.float32), 1.0)
+        rows = np.array([0, 1], np.int32)
+        groups = []
+
+        class Rewrite:
+            def __float__(self):
+                rows[1] = 10_000_000
+                groups.clear()
+                gc.collect()
+                return 1.0
+
+        _rows.set_gemm_crossover(1)
+        for layer in (k, _rows.LayerKernel(np.ones((2, 8), np.float32), np.ones((8, 2), np.float32), 1.0)):
+            y = np.zeros((4, 8), np.float32)
+            groups[:] = [(layer, 1.0, rows, None), (layer, Rewrite(), None, None)]
+            layer = None
+            _rows.apply_groups(groups, x, y, 4, 8, 8)
+            # rows were taken as they were when the call started: 0 and 1 get both groups
+            assert (y[:2] == 32).all() and (y[2:] == 16).all(), y
+            rows[1] = 1
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
