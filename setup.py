@@ -23,7 +23,7 @@ directives = {
 extension = Extension(
     "lorahook._rows",
     ["lorahook/_rows.pyx"],
-    include_dirs=[numpy.get_include()],
+    include_dirs=["lorahook", numpy.get_include()],
     define_macros=[
         ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
         ("LORAHOOK_DEBUG_BUILD", "1" if debug else "0"),

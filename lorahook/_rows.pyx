@@ -95,12 +95,39 @@ cdef extern from *:
 
 from libc.stdlib cimport free
 
+cdef extern from "_pool.h":
+    ctypedef void (*lorahook_task)(void *arg) noexcept nogil
+    int lorahook_pool_run(lorahook_task caller_task, lorahook_task helper_task,
+                          void *arg, int want) noexcept nogil
+    void lorahook_enter() noexcept nogil
+    void lorahook_leave() noexcept nogil
+    Py_ssize_t lorahook_calls_in_flight() noexcept nogil
+    int lorahook_pool_started() noexcept nogil
+    unsigned long lorahook_pool_joins() noexcept nogil
+    Py_ssize_t lorahook_next_chunk(Py_ssize_t *counter) noexcept nogil
+    void lorahook_store_int(int *p, int v) noexcept nogil
+    void lorahook_set_blas_threads_fn(size_t address) noexcept nogil
+    int lorahook_blas_threads() noexcept nogil
+    int LORAHOOK_POOL_MAX
+
 #: True when the extension was built with bounds checking (LORAHOOK_CYTHON_DEBUG=1).
 DEBUG_BUILD = bool(LORAHOOK_DEBUG_BUILD)
 
 # Rows at or above which a single adapter segment uses the sgemm pair instead
 # of one sgemv pair per row.
 cdef Py_ssize_t _gemm_crossover = 8
+
+# Threads one batched call may use (the caller plus lorahook's helpers); set
+# through lorahook.set_num_threads.  1 keeps every call on the calling thread.
+cdef int _num_threads = 1
+
+# A batched segment is split into chunks of at least this many rows and this
+# many flops, and only when that gives two chunks or more; at most
+# _MAX_CHUNKS chunks (see lorahook.threads for how these were measured).
+cdef Py_ssize_t _split_min_rows = 64
+cdef double _split_min_flops = 4e6
+cdef enum:
+    _MAX_CHUNKS = 16
 
 # Set by lorahook.hook at import: the abstract base every hook must derive from.
 cdef object _hook_base = None
@@ -127,6 +154,63 @@ def set_gemm_crossover(n):
     old = _gemm_crossover
     _gemm_crossover = n
     return old
+
+
+def _get_num_threads():
+    return _num_threads
+
+
+def _set_num_threads(n):
+    """Set the threads one batched call may use (``1 <= n <= 64``); returns the old value."""
+    global _num_threads
+    n = _as_width(n, "n")
+    if n > LORAHOOK_POOL_MAX:
+        raise ValueError(f"n must be at most {LORAHOOK_POOL_MAX}, got {n}")
+    old = _num_threads
+    _num_threads = <int>n
+    return old
+
+
+def get_split_grain():
+    """``(min_rows, min_flops)`` of one chunk when a batched call is split over threads."""
+    return _split_min_rows, _split_min_flops
+
+
+def set_split_grain(min_rows, min_flops):
+    """Set the smallest chunk a split batched call hands to a thread; returns the old pair.
+
+    A segment of ``n`` rows is split into ``min(16, n // rows_per_chunk)``
+    chunks, where ``rows_per_chunk`` is the larger of ``min_rows`` and the
+    rows holding ``min_flops`` flops; fewer than two chunks means no split.
+    """
+    global _split_min_rows, _split_min_flops
+    rows = _as_width(min_rows, "min_rows")
+    flops = float(min_flops)
+    if not (flops >= 0.0) or flops == float("inf"):
+        raise ValueError(f"min_flops must be a finite number >= 0, got {min_flops!r}")
+    old = (_split_min_rows, _split_min_flops)
+    _split_min_rows = rows
+    _split_min_flops = flops
+    return old
+
+
+def _helper_threads():
+    """lorahook's helper threads alive in this process."""
+    return lorahook_pool_started()
+
+
+def _helper_joins():
+    """Times one of lorahook's helper threads has joined a split call in this process."""
+    return lorahook_pool_joins()
+
+
+def _set_blas_threads_getter(address):
+    """Give the core the address of ``int f(void)`` returning the BLAS's thread count (0: none)."""
+    lorahook_set_blas_threads_fn(<size_t>operator.index(address))
+
+
+def _blas_threads():
+    return lorahook_blas_threads()
 
 
 # ---------------------------------------------------------------------------
@@ -427,6 +511,100 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
     return 0
 
 
+ctypedef struct SplitJob:
+    const Segment *s
+    const float *X
+    float *Y
+    int d_in
+    int d_out
+    Py_ssize_t crossover
+    Py_ssize_t n_chunks
+    Py_ssize_t next     # next chunk to take (atomic)
+    int rc
+
+
+cdef void _split_caller(void *arg) noexcept nogil:
+    _run_chunks(<SplitJob *>arg, False)
+
+
+cdef void _split_helper(void *arg) noexcept nogil:
+    _run_chunks(<SplitJob *>arg, True)
+
+
+cdef void _run_chunks(SplitJob *job, bint helper) noexcept nogil:
+    """Run chunks of a split segment until none is left.
+
+    The caller always runs to the end; a helper stops taking chunks as soon
+    as another kernel call is running anywhere in the process.
+    """
+    cdef const Segment *s = job.s
+    cdef Py_ssize_t n = s.n_rows
+    cdef Py_ssize_t c, k0, k1
+    cdef Segment sub
+    cdef const float *X
+    cdef float *Y
+    while True:
+        if helper and lorahook_calls_in_flight() > 1:
+            return
+        c = lorahook_next_chunk(&job.next)
+        if c >= job.n_chunks:
+            return
+        # chunk boundaries depend only on n and n_chunks, never on which
+        # thread runs the chunk, so results do not depend on timing
+        k0 = n * c // job.n_chunks
+        k1 = n * (c + 1) // job.n_chunks
+        sub = s[0]
+        sub.n_rows = k1 - k0
+        X = job.X
+        Y = job.Y
+        if s.rows == NULL:
+            X = X + k0 * job.d_in
+            Y = Y + k0 * job.d_out
+        else:
+            sub.rows = s.rows + k0
+        if s.row_scales != NULL:
+            sub.row_scales = s.row_scales + k0
+        if _run_segment(&sub, X, Y, job.d_in, job.d_out, job.crossover) != 0:
+            lorahook_store_int(&job.rc, -1)
+
+
+cdef int _run_segment_threads(const Segment *s, const float *X, float *Y, int d_in, int d_out,
+                              Py_ssize_t crossover, int nthreads) noexcept nogil:
+    """``_run_segment``, with large batched segments split over lorahook's threads.
+
+    With ``nthreads == 1`` (or a multi-threaded BLAS underneath) this is
+    exactly ``_run_segment``.  Otherwise the chunking depends only on the
+    segment's shape, so every ``nthreads >= 2`` gives the same bits, and a
+    call that finds the helpers busy runs the same chunks on its own thread.
+    """
+    cdef Py_ssize_t n = s.n_rows
+    cdef double row_flops
+    cdef Py_ssize_t rows_per_chunk, n_chunks
+    cdef SplitJob job
+    if nthreads <= 1 or s.rank == 0 or n < crossover or n < 2 * _split_min_rows:
+        return _run_segment(s, X, Y, d_in, d_out, crossover)
+    row_flops = 2.0 * s.rank * (<double>d_in + d_out)
+    rows_per_chunk = _split_min_rows
+    if row_flops * rows_per_chunk < _split_min_flops:
+        rows_per_chunk = <Py_ssize_t>(_split_min_flops / row_flops) + 1
+    n_chunks = n // rows_per_chunk
+    if n_chunks > _MAX_CHUNKS:
+        n_chunks = _MAX_CHUNKS
+    if n_chunks < 2 or lorahook_blas_threads() > 1:
+        return _run_segment(s, X, Y, d_in, d_out, crossover)
+    job.s = s
+    job.X = X
+    job.Y = Y
+    job.d_in = d_in
+    job.d_out = d_out
+    job.crossover = crossover
+    job.n_chunks = n_chunks
+    job.next = 0
+    job.rc = 0
+    lorahook_pool_run(_split_caller, _split_helper, &job, nthreads - 1 if nthreads - 1 < n_chunks - 1 else <int>(n_chunks - 1))
+    return job.rc
+
+
 cdef inline cnp.ndarray _checked_rows_buffer(object arr, Py_ssize_t n, Py_ssize_t width,
                                              str name, bint writable):
     _check_type(arr, name)
@@ -448,8 +626,11 @@ def apply_layer(LayerKernel layer not None, input, output, Py_ssize_t n_rows):
     cdef float *Y = <float *>cnp.PyArray_DATA(y)
     cdef int rc
     cdef Py_ssize_t crossover = _gemm_crossover
+    cdef int nthreads = _num_threads
     with nogil:
-        rc = _run_segment(&seg, X, Y, layer.d_in, layer.d_out, crossover)
+        lorahook_enter()
+        rc = _run_segment_threads(&seg, X, Y, layer.d_in, layer.d_out, crossover, nthreads)
+        lorahook_leave()
     if rc != 0:
         raise MemoryError("lorahook could not allocate its scratch buffer")
 
@@ -531,10 +712,13 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
     cdef int di = <int>d_in
     cdef int do = <int>d_out
     cdef Py_ssize_t crossover = _gemm_crossover
+    cdef int nthreads = _num_threads
     with nogil:
+        lorahook_enter()
         for g in range(ng):
-            rc = _run_segment(&segs[g], X, Y, di, do, crossover)
+            rc = _run_segment_threads(&segs[g], X, Y, di, do, crossover, nthreads)
             if rc != 0:
                 break
+        lorahook_leave()
     if rc != 0:
         raise MemoryError("lorahook could not allocate its scratch buffer")

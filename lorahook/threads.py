@@ -1,58 +1,88 @@
-"""BLAS threads used by lorahook's compiled core.
+"""Threads used by lorahook's compiled core.
 
-lorahook's kernels call BLAS through ``scipy.linalg.cython_blas``, which is
-SciPy's own BLAS (with SciPy's wheels, a private OpenBLAS under
-``scipy.libs``), a different library with its own thread pool from the BLAS
-inside numpy.  threadpoolctl lists both.
+lorahook's kernels call BLAS through ``scipy.linalg.cython_blas``: SciPy's own
+BLAS (with SciPy's wheels, a private OpenBLAS under ``scipy.libs``), a
+different library with its own thread pool from the BLAS inside numpy.
+threadpoolctl lists both.  lorahook uses threads in two places, each with
+its own setting:
 
-The choice
-----------
-On import, lorahook holds **SciPy's BLAS to one thread** (numpy's BLAS is
-left alone).  The reasons, measured on a 2-core machine with
-``lorahook bench`` (see :mod:`lorahook.bench` for the method):
+**lorahook's threads** (``set_num_threads`` / ``get_num_threads``): a
+batched call large enough to be worth it is cut into chunks of rows, and
+lorahook's own helper threads run chunks next to the calling thread.  The
+default is the number of CPUs the process may use, at most 4.
+
+**SciPy's BLAS threads** (``set_blas_threads`` / ``get_blas_threads``): held
+to **one** on import; numpy's BLAS is left alone.
+
+Why this split, measured on a 2-core machine with ``lorahook bench`` (see
+:mod:`lorahook.bench` for the method):
 
 * In a server loop that runs, for each projection, the base matmul in numpy
-  and then the LoRA update through SciPy's BLAS, two multi-threaded OpenBLAS
-  pools hand the cores back and forth: each pool's idle workers spin for a
-  while after a call, so the other pool's next call competes with them.  With
-  SciPy's BLAS on one thread the hook costs what its flops cost.
-* Decode (``sgemv``, one row) is slower with a second BLAS thread.  A lone
-  large batched call is faster with two (512 rows, 4096 -> 4096, rank 16:
-  about 1.4x on 2 cores), which is the price of this default: a program that
-  makes such calls alone, with no other BLAS work around them, can call
-  ``set_num_threads(2)``.
+  and then the LoRA update, two multi-threaded OpenBLAS pools hand the cores
+  back and forth: each pool's idle workers spin for a while after a call, so
+  the other pool's next call competes with them (a 128-row prefill loop took
+  about 3x as long with SciPy's BLAS on 2 threads).  lorahook's helpers never
+  spin: between calls they sleep, so they cost the next numpy matmul nothing.
+* A lone large call uses the second core: 512 rows, 4096 -> 4096, rank 16
+  ran about 1.7x faster on 2 threads.
 * Several Python threads calling lorahook at once (the kernels release the
-  GIL) scale only when each call stays on its own core; BLAS threads inside
-  every call oversubscribe the machine.
+  GIL) scale when each call keeps to its own core.  A helper takes another
+  chunk only while the call it helps is the only lorahook call running, and a
+  call that finds the helpers busy runs alone, so concurrent callers do not
+  oversubscribe the machine.
+* Decode (one row, ``sgemv``) and small batches stay on the calling thread:
+  a batch is split only into chunks of at least 64 rows and 4 MFLOP
+  (``lorahook._rows.get_split_grain``), below which handing work to another
+  thread costs more than it saves.
+* Chunk boundaries depend only on the batch's shape, never on timing, so a
+  result is the same bits whichever thread ran which chunk, and the same for
+  every thread count ``>= 2``.  With 1 thread the batch is not chunked, which
+  can change the last bits of float32 rounding.
+* If SciPy's BLAS is given more than one thread (``set_blas_threads`` or
+  threadpoolctl), lorahook stops splitting and leaves threading to BLAS, so
+  the two never multiply.
 
 Override it
 -----------
-* ``set_num_threads(n)`` at any time (``get_num_threads()`` reads it back);
-* the environment variable ``LORAHOOK_NUM_THREADS`` read at import: an
-  integer ``>= 1`` is used instead of 1, ``keep`` leaves SciPy's BLAS as it is;
-* threadpoolctl keeps working: ``threadpool_limits`` and
-  ``ThreadpoolController`` see and change the same library, and whatever they
-  set last wins (lorahook does not re-apply its default later).
+* ``set_num_threads(n)`` (``1 <= n <= 64``) at any time; ``1`` keeps every
+  call on the calling thread.  ``LORAHOOK_NUM_THREADS=n`` sets it at import.
+* ``set_blas_threads(n)`` at any time; ``LORAHOOK_BLAS_THREADS=n`` at import,
+  or ``LORAHOOK_BLAS_THREADS=keep`` to leave SciPy's BLAS as it is.
+* threadpoolctl keeps working on SciPy's BLAS: ``threadpool_limits`` and
+  ``ThreadpoolController`` (or :func:`blas_controller`) see and change the
+  same library, and whatever they set last wins.
 
-The setting is process-wide for SciPy's BLAS, so it also applies to other
-users of ``scipy.linalg`` in the process.  Numpy's BLAS is never changed.
+The BLAS setting is process-wide for SciPy's BLAS, so it also applies to
+other users of ``scipy.linalg`` in the process.  Numpy's BLAS is never
+changed.  lorahook's helper threads start on the first split call; they
+block every signal, and a forked child starts its own when it needs them.
 """
 import ctypes
 import os
 import threading
 
-__all__ = ["get_num_threads", "set_num_threads", "blas_controller", "blas_info",
-           "DEFAULT_NUM_THREADS"]
+__all__ = ["get_num_threads", "set_num_threads", "get_blas_threads", "set_blas_threads",
+           "default_num_threads", "blas_controller", "blas_info", "DEFAULT_BLAS_THREADS",
+           "MAX_DEFAULT_THREADS"]
 
-#: SciPy's BLAS threads set on import unless ``LORAHOOK_NUM_THREADS`` says otherwise.
-DEFAULT_NUM_THREADS = 1
+#: SciPy's BLAS threads set on import unless ``LORAHOOK_BLAS_THREADS`` says otherwise.
+DEFAULT_BLAS_THREADS = 1
+
+#: The most threads lorahook uses by default for one call (more cores add
+#: little: the kernels are limited by memory bandwidth at LoRA ranks).
+MAX_DEFAULT_THREADS = 4
 
 _ENV = "LORAHOOK_NUM_THREADS"
+_BLAS_ENV = "LORAHOOK_BLAS_THREADS"
 _lock = threading.Lock()
 _cached_path = None
 
 # Fortran symbols cython_blas resolves against, newest wheel naming first.
 _PROBE_SYMBOLS = ("scipy_sgemm_", "sgemm_", "sgemm", "scipy_sgemm_64_", "sgemm_64_")
+
+# OpenBLAS's thread-count getter under the names its builds export.
+_GETTER_SYMBOLS = ("scipy_openblas_get_num_threads", "scipy_openblas_get_num_threads64_",
+                   "openblas_get_num_threads", "openblas_get_num_threads64_")
 
 
 class _DlInfo(ctypes.Structure):
@@ -142,28 +172,82 @@ def _the_library():
     return blas_controller().lib_controllers[0]
 
 
-def get_num_threads():
-    """The number of threads of the BLAS lorahook's kernels call (SciPy's)."""
-    return int(_the_library().num_threads)
-
-
-def set_num_threads(n):
-    """Set the threads of the BLAS lorahook's kernels call; returns the previous value.
-
-    ``n`` is an int ``>= 1``.  This changes SciPy's BLAS for the whole
-    process (the same library ``threadpoolctl`` reports with the path
-    :func:`blas_info` gives); numpy's BLAS is untouched.
-    """
+def _check_count(n):
     if isinstance(n, bool) or not hasattr(type(n), "__index__"):
         raise TypeError(f"n must be an int, got {type(n).__name__} ({n!r})")
     n = int(n)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    return n
+
+
+def default_num_threads():
+    """CPUs this process may run on, at most :data:`MAX_DEFAULT_THREADS`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_DEFAULT_THREADS))
+
+
+def get_num_threads():
+    """Threads one large batched lorahook call may use (the caller plus helpers)."""
+    from . import _rows
+    return _rows._get_num_threads()
+
+
+def set_num_threads(n):
+    """Set the threads one large batched call may use; returns the previous value.
+
+    ``n`` is an int, ``1 <= n <= 64``; ``1`` keeps every call on the calling
+    thread.  Takes effect from the next call, for every thread of the process.
+    """
+    from . import _rows
+    return _rows._set_num_threads(_check_count(n))
+
+
+def get_blas_threads():
+    """The number of threads of the BLAS lorahook's kernels call (SciPy's)."""
+    return int(_the_library().num_threads)
+
+
+def set_blas_threads(n):
+    """Set the threads of the BLAS lorahook's kernels call; returns the previous value.
+
+    ``n`` is an int ``>= 1``.  This changes SciPy's BLAS for the whole
+    process (the same library ``threadpoolctl`` reports with the path
+    :func:`blas_info` gives); numpy's BLAS is untouched.  While it is above
+    1, lorahook does not split calls over its own threads.
+    """
+    n = _check_count(n)
     with _lock:
         lib = _the_library()
         old = int(lib.num_threads)
         lib.set_num_threads(n)
     return old
+
+
+def _blas_threads_getter_address():
+    """Address of the thread-count getter of the BLAS the kernels call, or 0."""
+    path = _cython_blas_library_path()
+    if path is None:
+        try:
+            path = os.path.realpath(_the_library().filepath)
+        except (ImportError, RuntimeError):
+            return 0
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return 0
+    for symbol in _GETTER_SYMBOLS:
+        func = getattr(lib, symbol, None)
+        if func is not None:
+            _keep.append(lib)
+            return ctypes.cast(func, ctypes.c_void_p).value or 0
+    return 0
+
+
+_keep = []  # the library handle the core's getter pointer lives in
 
 
 def blas_info():
@@ -184,23 +268,35 @@ def blas_info():
     return info
 
 
-def _apply_default():
-    value = os.environ.get(_ENV, "").strip()
-    if value.lower() == "keep":
-        return
-    n = DEFAULT_NUM_THREADS
-    if value:
-        try:
-            n = int(value)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"{_ENV} must be an integer >= 1 or 'keep', got {value!r}")
+def _env_count(name, value):
     try:
-        set_num_threads(n)
-    except (ImportError, RuntimeError):
-        # Without threadpoolctl or an identifiable BLAS, leave BLAS as it is.
-        pass
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return n
 
 
-_apply_default()
+def _apply_defaults():
+    from . import _rows
+    value = os.environ.get(_ENV, "").strip()
+    if value:
+        n = _env_count(_ENV, value)
+        if n > 64:
+            raise ValueError(f"{_ENV} must be at most 64, got {value!r}")
+    else:
+        n = default_num_threads()
+    _rows._set_num_threads(n)
+
+    value = os.environ.get(_BLAS_ENV, "").strip()
+    if value.lower() != "keep":
+        try:
+            set_blas_threads(_env_count(_BLAS_ENV, value) if value else DEFAULT_BLAS_THREADS)
+        except (ImportError, RuntimeError):
+            # Without threadpoolctl or an identifiable BLAS, leave BLAS as it is.
+            pass
+    _rows._set_blas_threads_getter(_blas_threads_getter_address())
+
+
+_apply_defaults()

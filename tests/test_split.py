@@ -1,0 +1,300 @@
+"""Large batched calls split over lorahook's own threads.
+
+Every result is checked against a float64 numpy reference; the split path is
+forced onto small shapes by lowering the split grain, so the tests stay fast.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from lorahook import AdapterSet, LoraAdapter, LoraLayer, _rows, apply_lora_rows, threads
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def split_setup():
+    """Split into chunks of 8 rows and no flop floor; restore everything after."""
+    old = (threads.get_num_threads(), threads.get_blas_threads(), _rows.get_split_grain(),
+           _rows.get_gemm_crossover())
+    _rows.set_split_grain(8, 0)
+    yield
+    threads.set_num_threads(old[0])
+    threads.set_blas_threads(old[1])
+    _rows.set_split_grain(*old[2])
+    _rows.set_gemm_crossover(old[3])
+
+
+def _layer(rng, d_in, d_out, rank, scale=0.75, bias=False):
+    a = rng.standard_normal((rank, d_in)).astype(np.float32)
+    b = rng.standard_normal((d_out, rank)).astype(np.float32)
+    c = rng.standard_normal(d_out).astype(np.float32) if bias else None
+    return LoraLayer(a, b, scale, bias=c)
+
+
+def _ref(layer, x, y0, scale=None):
+    s = layer.scale if scale is None else scale
+    d = (x.astype(np.float64) @ layer.a.T.astype(np.float64)) @ layer.b.T.astype(np.float64)
+    if layer.bias is not None:
+        d = d + layer.bias.astype(np.float64)
+    return y0.astype(np.float64) + s * d
+
+
+def _close(got, ref):
+    assert np.max(np.abs(got - ref)) <= 2e-6 * max(np.max(np.abs(ref)), 1.0) * np.sqrt(ref.shape[-1])
+
+
+def _until_a_helper_joins(fn, tries=400):
+    j0 = _rows._helper_joins()
+    for _ in range(tries):
+        fn()
+        if _rows._helper_joins() > j0:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("nthreads", [2, 3, 5])
+@pytest.mark.parametrize("rows", [16, 17, 63, 200, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_single_adapter_split_matches_reference(split_setup, nthreads, rows, bias):
+    rng = np.random.default_rng(rows * 10 + nthreads)
+    layer = _layer(rng, 96, 160, 8, bias=bias)
+    hook = LoraAdapter({(2, "up_proj"): layer})
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    y = rng.standard_normal((rows, 160)).astype(np.float32)
+    ref = _ref(layer, x, y)
+    threads.set_num_threads(nthreads)
+    apply_lora_rows(hook, 2, "up_proj", x, y, 96, 160)
+    _close(y, ref)
+
+
+def test_split_actually_runs_on_helper_threads(split_setup):
+    rng = np.random.default_rng(0)
+    layer = _layer(rng, 256, 512, 16)
+    hook = LoraAdapter({(0, "q_proj"): layer})
+    x = rng.standard_normal((512, 256)).astype(np.float32)
+    y = np.zeros((512, 512), np.float32)
+    threads.set_num_threads(2)
+    assert _until_a_helper_joins(lambda: apply_lora_rows(hook, 0, "q_proj", x, y, 256, 512))
+    assert _rows._helper_threads() >= 1
+
+
+def test_chunking_is_the_same_for_every_thread_count_from_two(split_setup):
+    rng = np.random.default_rng(1)
+    layer = _layer(rng, 128, 384, 16)
+    hook = LoraAdapter({(0, "q_proj"): layer})
+    x = rng.standard_normal((301, 128)).astype(np.float32)
+    y0 = rng.standard_normal((301, 384)).astype(np.float32)
+    outs = []
+    for n in (2, 3, 4, 7, 2):
+        threads.set_num_threads(n)
+        y = y0.copy()
+        apply_lora_rows(hook, 0, "q_proj", x, y, 128, 384)
+        outs.append(y)
+    for y in outs[1:]:
+        assert np.array_equal(y, outs[0])
+    _close(outs[0], _ref(layer, x, y0))
+
+
+def test_one_thread_never_uses_a_helper(split_setup):
+    rng = np.random.default_rng(2)
+    hook = LoraAdapter({(0, "q_proj"): _layer(rng, 64, 64, 4)})
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    y = np.zeros((256, 64), np.float32)
+    threads.set_num_threads(1)
+    j0 = _rows._helper_joins()
+    for _ in range(50):
+        apply_lora_rows(hook, 0, "q_proj", x, y, 64, 64)
+    assert _rows._helper_joins() == j0
+
+
+def test_multithreaded_blas_turns_splitting_off(split_setup):
+    if threads._blas_threads_getter_address() == 0:
+        pytest.skip("SciPy's BLAS here exports no OpenBLAS thread getter")
+    rng = np.random.default_rng(3)
+    layer = _layer(rng, 64, 96, 4)
+    hook = LoraAdapter({(0, "q_proj"): layer})
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    y = rng.standard_normal((256, 96)).astype(np.float32)
+    ref = _ref(layer, x, y)
+    threads.set_num_threads(4)
+    threads.set_blas_threads(2)
+    j0 = _rows._helper_joins()
+    apply_lora_rows(hook, 0, "q_proj", x, y, 64, 96)
+    for _ in range(30):
+        apply_lora_rows(hook, 0, "q_proj", x, np.zeros_like(y), 64, 96)
+    assert _rows._helper_joins() == j0
+    _close(y, ref)
+
+
+def test_small_batches_stay_on_the_caller(split_setup):
+    # below two chunks of the grain the call is never split
+    rng = np.random.default_rng(4)
+    hook = LoraAdapter({(0, "q_proj"): _layer(rng, 64, 64, 4)})
+    threads.set_num_threads(4)
+    _rows.set_split_grain(64, 0)
+    x = rng.standard_normal((127, 64)).astype(np.float32)
+    y = np.zeros((127, 64), np.float32)
+    j0 = _rows._helper_joins()
+    for _ in range(50):
+        apply_lora_rows(hook, 0, "q_proj", x, y, 64, 64)
+    assert _rows._helper_joins() == j0
+
+
+def test_flop_floor_sets_the_chunk_size(split_setup):
+    # 2 * rank * (d_in + d_out) = 2 * 4 * 128 = 1024 flops per row: a floor of
+    # 100_000 flops needs 98 rows per chunk, so 150 rows are not split
+    rng = np.random.default_rng(5)
+    hook = LoraAdapter({(0, "q_proj"): _layer(rng, 64, 64, 4)})
+    threads.set_num_threads(4)
+    _rows.set_split_grain(1, 100_000)
+    x = rng.standard_normal((150, 64)).astype(np.float32)
+    y = np.zeros((150, 64), np.float32)
+    j0 = _rows._helper_joins()
+    for _ in range(50):
+        apply_lora_rows(hook, 0, "q_proj", x, y, 64, 64)
+    assert _rows._helper_joins() == j0
+
+
+@pytest.mark.parametrize("crossover", [1, 8, 10**9])
+def test_split_chunks_follow_the_gemm_crossover(split_setup, crossover):
+    rng = np.random.default_rng(6)
+    layer = _layer(rng, 48, 80, 8, bias=True)
+    hook = LoraAdapter({(0, "q_proj"): layer})
+    x = rng.standard_normal((90, 48)).astype(np.float32)
+    y = rng.standard_normal((90, 80)).astype(np.float32)
+    ref = _ref(layer, x, y)
+    threads.set_num_threads(3)
+    _rows.set_gemm_crossover(crossover)
+    apply_lora_rows(hook, 0, "q_proj", x, y, 48, 80)
+    _close(y, ref)
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 4])
+def test_mixed_batch_split_matches_reference(split_setup, nthreads):
+    rng = np.random.default_rng(7)
+    d_in, d_out, n = 64, 112, 240
+    layers = {name: _layer(rng, d_in, d_out, 8, scale=0.5 + k, bias=(k == 1))
+              for k, name in enumerate(("a", "b", "c"))}
+    s = AdapterSet()
+    for name, layer in layers.items():
+        s.add(name, LoraAdapter({(1, "down_proj"): layer}))
+    # interleaved rows (gather/scatter), long runs, and rows with no adapter
+    names = [("a", "b", None, "c")[i % 4] if i < 120 else ("a" if i < 200 else "c") for i in range(n)]
+    scales = [0.25 + (i % 5) / 4 for i in range(n)]
+    bound = s.bind(names, scales=scales)
+    x = rng.standard_normal((n, d_in)).astype(np.float32)
+    y = rng.standard_normal((n, d_out)).astype(np.float32)
+    ref = y.astype(np.float64).copy()
+    for i, name in enumerate(names):
+        if name is not None:
+            ref[i] = _ref(layers[name], x[i:i + 1], y[i:i + 1], layers[name].scale * scales[i])[0]
+    threads.set_num_threads(nthreads)
+    apply_lora_rows(bound, 1, "down_proj", x, y, d_in, d_out)
+    _close(y, ref)
+    unnamed = [i for i, name in enumerate(names) if name is None]
+    assert np.array_equal(y[unnamed], ref[unnamed].astype(np.float32))
+
+
+def test_overlapping_groups_are_applied_one_after_the_other(split_setup):
+    # apply_groups allows two groups on the same rows; splitting one group at
+    # a time keeps every row's updates from racing
+    rng = np.random.default_rng(8)
+    d_in, d_out, n = 32, 48, 200
+    l1, l2 = _layer(rng, d_in, d_out, 4), _layer(rng, d_in, d_out, 4)
+    x = rng.standard_normal((n, d_in)).astype(np.float32)
+    y = rng.standard_normal((n, d_out)).astype(np.float32)
+    rows = np.arange(10, 190, dtype=np.int32)
+    ref = _ref(l1, x, y)
+    ref[10:190] += l2.scale * 2.0 * ((x[10:190].astype(np.float64) @ l2.a.T) @ l2.b.T)
+    threads.set_num_threads(3)
+    _rows.apply_groups([(l1._kernel, l1.scale, None, None), (l2._kernel, 2.0 * l2.scale, rows, None)],
+                       x, y, n, d_in, d_out)
+    _close(y, ref)
+
+
+def test_concurrent_callers_get_correct_results(split_setup):
+    # more Python threads than helpers: some calls find the pool busy and run
+    # alone, others split; every result must be the same bits as alone
+    rng = np.random.default_rng(9)
+    layer = _layer(rng, 128, 256, 8, bias=True)
+    hook = LoraAdapter({(0, "q_proj"): layer})
+    threads.set_num_threads(2)
+    jobs = []
+    for k in range(6):
+        x = rng.standard_normal((100 + 17 * k, 128)).astype(np.float32)
+        y0 = rng.standard_normal((100 + 17 * k, 256)).astype(np.float32)
+        expect = y0.copy()
+        apply_lora_rows(hook, 0, "q_proj", x, expect, 128, 256)
+        _close(expect, _ref(layer, x, y0))
+        jobs.append((x, y0, expect))
+    failures = []
+    barrier = threading.Barrier(len(jobs))
+
+    def work(x, y0, expect):
+        barrier.wait()
+        for _ in range(30):
+            y = y0.copy()
+            apply_lora_rows(hook, 0, "q_proj", x, y, 128, 256)
+            if not np.array_equal(y, expect):
+                failures.append(x.shape[0])
+                return
+
+    ts = [threading.Thread(target=work, args=job) for job in jobs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in ts)
+    assert failures == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_starts_its_own_helpers():
+    # the parent's helpers do not exist in a forked child; a split call there
+    # must neither hang nor crash, and must give the right answer
+    code = textwrap.dedent("""
+        import os, sys, numpy as np
+        from lorahook import LoraAdapter, LoraLayer, _rows, apply_lora_rows, threads
+        threads.set_num_threads(2)
+        _rows.set_split_grain(8, 0)
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((8, 64)).astype(np.float32)
+        b = rng.standard_normal((96, 8)).astype(np.float32)
+        hook = LoraAdapter({(0, "q_proj"): LoraLayer(a, b, 0.5)})
+        x = rng.standard_normal((400, 64)).astype(np.float32)
+        ref = 0.5 * (x.astype(np.float64) @ a.T) @ b.T
+        def ok():
+            y = np.zeros((400, 96), np.float32)
+            apply_lora_rows(hook, 0, "q_proj", x, y, 64, 96)
+            return np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
+        assert ok() and _rows._helper_threads() >= 1
+        pid = os.fork()
+        if pid == 0:
+            good = ok() and ok() and _rows._helper_threads() >= 1
+            os._exit(0 if good else 3)
+        _, status = os.waitpid(pid, 0)
+        assert ok()
+        print(os.waitstatus_to_exitcode(status))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
+
+
+def test_split_grain_setter_checks_its_arguments(split_setup):
+    with pytest.raises(ValueError, match="min_rows"):
+        _rows.set_split_grain(0, 0)
+    with pytest.raises(TypeError, match="min_rows"):
+        _rows.set_split_grain(1.5, 0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="min_flops"):
+            _rows.set_split_grain(8, bad)
+    assert _rows.set_split_grain(16, 1e6) == (8, 0.0)
+    assert _rows.get_split_grain() == (16, 1e6)
