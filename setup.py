@@ -4,6 +4,7 @@ Set LORAHOOK_CYTHON_DEBUG=1 to build with bounds, wraparound and
 initialisation checks on (the extension then reports ``DEBUG_BUILD = True``).
 """
 import os
+import sys
 
 import numpy
 from Cython.Build import cythonize
@@ -24,6 +25,8 @@ extension = Extension(
     "lorahook._rows",
     ["lorahook/_rows.pyx"],
     include_dirs=["lorahook", numpy.get_include()],
+    # dladdr/dlopen/dlsym (lorahook/_pool.h): in libdl before glibc 2.34
+    libraries=["dl"] if sys.platform.startswith("linux") else [],
     define_macros=[
         ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
         ("LORAHOOK_DEBUG_BUILD", "1" if debug else "0"),

@@ -19,6 +19,7 @@
 #ifndef LORAHOOK_POOL_H
 #define LORAHOOK_POOL_H
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stddef.h>
@@ -185,13 +186,41 @@ static Py_ssize_t lorahook_next_chunk(Py_ssize_t *counter) {
 
 static void lorahook_store_int(int *p, int v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 
-/* The thread-count getter of the BLAS the kernels call (found at import), or
-   NULL when unknown.  Work is split only while that BLAS runs one thread per
-   call, so lorahook's threads never multiply with BLAS threads. */
+/* The thread-count getter of the BLAS the kernels call, or NULL when unknown.
+   Work is split only while that BLAS runs one thread per call, so lorahook's
+   threads never multiply with BLAS threads. */
 typedef int (*lorahook_int_getter)(void);
 static lorahook_int_getter lorahook_blas_threads_fn = NULL;
-static void lorahook_set_blas_threads_fn(size_t address) {
-    lorahook_blas_threads_fn = (lorahook_int_getter)address;
+
+/* Find OpenBLAS's getter from any function of the module that calls BLAS
+   (scipy.linalg.cython_blas): the dynamic loader says which file holds that
+   function, and a symbol lookup through that file's handle searches it and
+   the libraries it was linked against, which is where its BLAS is. */
+static void lorahook_find_blas_threads_fn(void *blas_caller) {
+    static const char *names[] = {
+        "scipy_openblas_get_num_threads", "scipy_openblas_get_num_threads64_",
+        "openblas_get_num_threads", "openblas_get_num_threads64_", NULL};
+    Dl_info info;
+    void *handle, *sym;
+    int i;
+    if (blas_caller == NULL || !dladdr(blas_caller, &info) || info.dli_fname == NULL)
+        return;
+    handle = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    if (handle == NULL)
+        return;
+    for (i = 0; names[i] != NULL; i++) {
+        sym = dlsym(handle, names[i]);
+        if (sym != NULL) {
+            lorahook_blas_threads_fn = (lorahook_int_getter)sym;
+            break;
+        }
+    }
+    /* the handle is kept: the library stays loaded for as long as SciPy is */
+}
+
+/* SciPy BLAS threads, or 0 when the library has no getter lorahook knows. */
+static int lorahook_blas_threads_known(void) {
+    return lorahook_blas_threads_fn == NULL ? 0 : lorahook_blas_threads_fn();
 }
 static int lorahook_blas_threads(void) {
     return lorahook_blas_threads_fn == NULL ? 1 : lorahook_blas_threads_fn();

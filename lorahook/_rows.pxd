@@ -4,7 +4,7 @@
 cdef struct Segment:
     # One adapter layer applied to a set of rows of one projection.
     const float *a          # (rank, d_in), row-major
-    const float *b          # (d_out, rank), row-major
+    const float *b          # B^T: (rank, d_out), row-major (B column-major)
     const float *bias       # (d_out,) or NULL
     int rank
     float scale             # used when row_scales is NULL
@@ -17,6 +17,7 @@ cdef class LayerKernel:
     """The compiled view of one validated adapter layer (read-only arrays)."""
     cdef const float[:, ::1] a
     cdef const float[:, ::1] b
+    cdef const float[:, ::1] bt   # B^T, C-contiguous: what the kernels read
     cdef const float[::1] bias
     cdef readonly int rank
     cdef readonly int d_in

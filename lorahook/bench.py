@@ -4,7 +4,12 @@ Everything runs in one process.  Each contender is timed in its own block
 after a short pause, so that the previous contender's BLAS / OpenMP worker
 threads have stopped spinning; a block is a warm-up call and then repeated
 samples (fast calls are grouped so that one sample lasts at least ~0.2 ms)
-and the median per call is reported.  Contenders:
+and its median per call.  The single-projection scenarios run three rounds
+of one block per contender in turn (the mixed batch too) and report each
+contender's median of its block medians, so that a slow spell on a shared
+machine does not land on one contender only.  Every contender runs with its own default threads:
+lorahook with its helper threads (``lorahook.get_num_threads()``) and SciPy's
+BLAS on one thread, numpy's BLAS and torch as they start.  Contenders:
 
 * lorahook: ``apply_lora_rows`` with a :class:`~lorahook.LoraAdapter`;
 * numpy, batched: ``y += s * ((X @ A.T) @ B.T)``;
@@ -19,22 +24,29 @@ loop's; "hook calls" is the time spent inside ``apply_lora_rows`` in the
 hooked loop (timed per call), which is far less sensitive to other load on
 the machine.
 
+"Two Python threads" follows the target's definition: each call held to
+one thread (``set_num_threads(1)``), two callers against one.  The line
+under it repeats the measurement with lorahook's default threads, where one
+caller already uses every core it may.
+
 GFLOP/s count ``2 * rows * rank * (d_in + d_out)`` and are compared with
-this machine's own ``sgemm`` peak (1024^3, SciPy's BLAS at the thread count
-lorahook uses) measured in the same run.  The BLAS libraries and thread
+this machine's own ``sgemm`` peak (1024^3, SciPy's BLAS at its thread
+count, one by default: a one-core peak) measured in the same run.  The BLAS libraries and thread
 counts in use (threadpoolctl) are printed with the table.
 
 How the sgemv/sgemm crossover was chosen
 ----------------------------------------
-With SciPy's BLAS on one thread, ``apply_lora_rows`` was timed with the
-crossover forced to 1 (sgemm pair for every batch) and to infinity (two
-sgemv per row) for ``(d_in, d_out)`` in {1024->1024, 1024->3584,
-2048->2048, 4096->4096}, rank in {8, 16, 64} and 1-64 rows (median of
-60-200 calls each).  The time ratio sgemm/sgemv fell below 1 at about 4 rows
-for rank 8, at 8 rows for rank 16 (0.64-0.94 at 8 rows on four of the five
-shapes, above 1 at 6 rows on most) and at 12-16 rows for rank 64; by 16
-rows sgemm is 1.7-3x faster at ranks 8-16.  The default crossover is 8 (the
-common ranks 8-32); :func:`lorahook._rows.set_gemm_crossover` changes it.
+With one lorahook thread and SciPy's BLAS on one thread, ``apply_lora_rows``
+was timed with the crossover forced to 1 (sgemm pair for every batch) and to
+infinity (two sgemv per row) for ``(d_in, d_out, rank)`` in {1024->1024 r16,
+1024->3584 r16, 4096->4096 r16, 2048->2048 r8, 1024->1024 r64,
+4096->4096 r64} and 4-96 rows (median of 150 calls each).  With ``B`` kept
+transposed, so that ``y += s B t`` is an ``'N'`` sgemv, the row loop is the
+faster path for longer than one might guess: the time ratio sgemm/sgemv was
+1.9-2.1 at 8 rows, 1.3-1.7 at 16, 0.8-1.7 at 32 (below 1 only at rank 64) and
+0.7-1.2 at 48-96 rows.  The default crossover is 32 rows, where the two paths
+are within about 15% of each other at ranks 8-64;
+:func:`lorahook._rows.set_gemm_crossover` changes it.
 """
 import argparse
 import os
@@ -118,19 +130,19 @@ def _sgemm_peak(timer):
     return 2.0 * m ** 3 / t / 1e9
 
 
-def _single(timer, rng, torch, F, n, d_in, d_out, rank):
+def _single(timer, rng, torch, F, n, d_in, d_out, rank, rounds=1):
     from . import LoraAdapter, apply_lora_rows
     layer = _layer(rng, d_in, d_out, rank)
     hook = LoraAdapter({(0, "q_proj"): layer})
     X = rng.standard_normal((n, d_in)).astype(np.float32)
     Y = np.zeros((n, d_out), np.float32)
     a, b, s = layer.a, layer.b, np.float32(layer.scale)
-    out = {"lorahook": timer.median(lambda: apply_lora_rows(hook, 0, "q_proj", X, Y, d_in, d_out))}
+    contenders = {"lorahook": lambda: apply_lora_rows(hook, 0, "q_proj", X, Y, d_in, d_out)}
 
     def numpy_lora():
         y = Y  # in-place update of the caller's array
         y += s * ((X @ a.T) @ b.T)
-    out["numpy"] = timer.median(numpy_lora)
+    contenders["numpy"] = numpy_lora
     if torch is not None:
         tx, ta, tb, ty = (torch.from_numpy(v) for v in (X, a.copy(), b.copy(), Y))
         sf = float(s)
@@ -138,7 +150,11 @@ def _single(timer, rng, torch, F, n, d_in, d_out, rank):
         def torch_lora():
             with torch.no_grad():
                 ty.add_(F.linear(F.linear(tx, ta), tb), alpha=sf)
-        out["torch"] = timer.median(torch_lora)
+        contenders["torch"] = torch_lora
+    # Rounds of one block per contender, in turn; each contender's figure is
+    # the median of its block medians, so a slow spell on a shared machine
+    # hits every contender alike instead of one of them.
+    out = _rounds(timer, contenders, rounds)
     out["flops"] = 2.0 * n * rank * (d_in + d_out)
     return out
 
@@ -195,7 +211,17 @@ def _server_loop(timer, rng, n_rows, n_layers):
     return out
 
 
-def _two_threads(timer, rng, n_rows=128, d_in=1024, d_out=3584, rank=16):
+def _two_threads(timer, rng, n_rows=128, d_in=1024, d_out=3584, rank=16, per_call=1):
+    """Two Python threads calling at once vs one, with ``per_call`` lorahook threads."""
+    from . import threads as lh_threads
+    old = lh_threads.set_num_threads(per_call)
+    try:
+        return _two_threads_block(timer, rng, n_rows, d_in, d_out, rank)
+    finally:
+        lh_threads.set_num_threads(old)
+
+
+def _two_threads_block(timer, rng, n_rows, d_in, d_out, rank):
     from . import LoraAdapter, apply_lora_rows
     hook = LoraAdapter({(0, "up_proj"): _layer(rng, d_in, d_out, rank)})
     per_thread = [(rng.standard_normal((n_rows, d_in)).astype(np.float32),
@@ -223,7 +249,16 @@ def _two_threads(timer, rng, n_rows=128, d_in=1024, d_out=3584, rank=16):
     return {"one": one / k, "two": two / (2 * k), "speedup": 2 * one / two}
 
 
-def _mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=16):
+def _rounds(timer, contenders, rounds):
+    """Median of each contender's block medians over ``rounds`` rounds, in turn."""
+    blocks = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            blocks[name].append(timer.median(fn))
+    return {name: float(np.median(v)) for name, v in blocks.items()}
+
+
+def _mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=16, rounds=1):
     try:
         from .serving import AdapterSet
     except ImportError:
@@ -239,18 +274,21 @@ def _mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=
     for name, layer in zip(names, layers):
         aset.add(name, LoraAdapter({(0, "up_proj"): layer}))
     bound = aset.bind(row_names)
-    out = {"lorahook": timer.median(lambda: apply_lora_rows(bound, 0, "up_proj", X, Y, d_in, d_out))}
     single = LoraAdapter({(0, "up_proj"): layers[0]})
-    out["single"] = timer.median(lambda: apply_lora_rows(single, 0, "up_proj", X, Y, d_in, d_out))
-    out["flops"] = 2.0 * n * rank * (d_in + d_out)
+    contenders = {
+        "lorahook": lambda: apply_lora_rows(bound, 0, "up_proj", X, Y, d_in, d_out),
+        "single": lambda: apply_lora_rows(single, 0, "up_proj", X, Y, d_in, d_out),
+    }
+    out = {"flops": 2.0 * n * rank * (d_in + d_out)}
     try:
         import peft
         from peft import LoraConfig, get_peft_model
     except Exception:
         out["peft_skip"] = "peft is not installed"
-        return out
     if torch is None:
         out["peft_skip"] = "torch is not installed"
+    if "peft_skip" in out:
+        out.update(_rounds(timer, contenders, rounds))
         return out
 
     class Net(torch.nn.Module):
@@ -279,7 +317,8 @@ def _mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=
     def peft_mixed():
         with torch.no_grad():
             return lora_linear(tx, adapter_names=row_names)
-    out["peft"] = timer.median(peft_mixed)
+    contenders["peft"] = peft_mixed
+    out.update(_rounds(timer, contenders, rounds))
     # sanity: the same delta (scale alpha / r = 2 on both sides)
     ref = peft_mixed().numpy()
     got = np.zeros_like(Y)
@@ -290,22 +329,26 @@ def _mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=
 
 
 def _thread_study(timer, rng):
-    """The same cases with SciPy's BLAS on 1 thread and on every core."""
+    """The same cases with lorahook's threads and SciPy's BLAS threads varied."""
     from . import threads
     cores = os.cpu_count() or 1
-    old = threads.get_num_threads()
+    old = threads.get_num_threads(), threads.get_blas_threads()
     timer = _Timer(budget=min(timer.budget, 0.15), pause=timer.pause)
+    configs = [(1, 1), (threads.default_num_threads(), 1), (1, cores)]
     rows = []
     try:
-        for nt in sorted({1, cores}):
-            threads.set_num_threads(nt)
+        for ours, blas in dict.fromkeys(configs):
+            threads.set_num_threads(ours)
+            threads.set_blas_threads(blas)
             lone = _single(timer, rng, None, None, 512, 4096, 4096, 16)["lorahook"]
             dec = _single(timer, rng, None, None, 1, 4096, 4096, 64)["lorahook"]
             loop = _server_loop(timer, rng, 128, 4)
-            two = _two_threads(timer, rng)
-            rows.append((nt, lone, dec, loop["base"], loop["hooked"], two["speedup"]))
+            two = _two_threads(timer, rng, per_call=ours)
+            rows.append((ours, blas, lone, dec, loop["base"], loop["hooked"], two["one"],
+                         two["two"]))
     finally:
-        threads.set_num_threads(old)
+        threads.set_num_threads(old[0])
+        threads.set_blas_threads(old[1])
     return rows
 
 
@@ -313,14 +356,16 @@ def run(progress=None, quick=False, thread_study=None):
     """Run every scenario; returns a dict (see :func:`format_report`).
 
     ``progress(done, total, label)`` is called before each step.  ``quick``
-    shortens every block; ``thread_study`` (default: not ``quick``) adds the
-    SciPy BLAS 1-thread vs all-cores comparison.
+    shortens every block and times each contender in one round instead of
+    three; ``thread_study`` (default: not ``quick``) adds the comparison of
+    thread settings.
     """
     from . import NoopLoraHook, apply_lora_rows
     from . import threads
     if thread_study is None:
         thread_study = not quick
-    timer = _Timer(budget=0.08 if quick else 0.4, pause=0.05 if quick else 0.25)
+    timer = _Timer(budget=0.08 if quick else 0.3, pause=0.05 if quick else 0.25)
+    rounds = 1 if quick else 3
     torch, F = _torch()
     rng = _rng()
     steps = [
@@ -349,13 +394,14 @@ def run(progress=None, quick=False, thread_study=None):
             noop = NoopLoraHook()
             res["noop"] = timer.median(lambda: apply_lora_rows(noop, 0, "q_proj", x, y, 1024, 1024))
         elif label.startswith(("decode", "prefill")):
-            res["single"][label] = _single(timer, rng, torch, F, *params)
+            res["single"][label] = _single(timer, rng, torch, F, *params, rounds=rounds)
         elif label.startswith("server"):
             res["server"][label] = _server_loop(timer, rng, *params)
         elif label.startswith("two threads"):
-            res["threads"] = _two_threads(timer, rng)
+            res["threads"] = _two_threads(timer, rng, per_call=1)
+            res["threads_default"] = _two_threads(timer, rng, per_call=threads.get_num_threads())
         elif label.startswith("mixed"):
-            res["mixed"] = dict(_mixed(timer, rng, torch), label=label)
+            res["mixed"] = dict(_mixed(timer, rng, torch, rounds=rounds), label=label)
         elif label == "thread study":
             res["thread_study"] = _thread_study(timer, rng)
     if progress is not None:
@@ -363,6 +409,7 @@ def run(progress=None, quick=False, thread_study=None):
     res["blas"] = threads.blas_info()
     res["torch"] = None if torch is None else (torch.__version__, torch.get_num_threads())
     res["lorahook_threads"] = threads.get_num_threads()
+    res["blas_threads"] = threads.get_blas_threads()
     return res
 
 
@@ -374,7 +421,9 @@ def format_report(res):
     """The table and notes for a :func:`run` result, as one string."""
     lines, targets = [], []
     peak = res["peak"]
-    lines.append(f"sgemm peak (1024^3, SciPy BLAS, {res['lorahook_threads']} thread(s)): {peak:.1f} GFLOP/s")
+    lines.append(f"lorahook threads per call: {res['lorahook_threads']}; SciPy BLAS threads: {res['blas_threads']}")
+    lines.append(f"sgemm peak (1024^3, SciPy BLAS, {res['blas_threads']} thread(s)): {peak:.1f} GFLOP/s"
+                 " (%peak below is against this)")
     lines.append("")
     hdr = f"{'scenario':36} {'lorahook ms':>11} {'numpy ms':>9} {'torch ms':>9} {'lh/np':>6} {'lh/pt':>6} {'GFLOP/s':>8} {'%peak':>6}"
     lines.append(hdr)
@@ -408,9 +457,13 @@ def format_report(res):
         targets.append((f"{label}: added time", add, limit))
     th = res["threads"]
     lines.append("")
-    lines.append(f"two Python threads x 128 rows 1024->3584 r16: one thread {_ms(th['one'])} ms/call, "
-                 f"two threads {_ms(th['two'])} ms/call, throughput x{th['speedup']:.2f}")
-    targets.append(("two threads: throughput vs one (>=)", th["speedup"], 1.5))
+    lines.append(f"two Python threads x 128 rows 1024->3584 r16, 1 thread per call: one caller {_ms(th['one'])} ms/call, "
+                 f"two callers {_ms(th['two'])} ms/call, throughput x{th['speedup']:.2f}")
+    td = res.get("threads_default")
+    if td is not None:
+        lines.append(f"  same with lorahook's {res['lorahook_threads']} threads per call: one caller {_ms(td['one'])} ms/call, "
+                     f"two callers {_ms(td['two'])} ms/call, throughput x{td['speedup']:.2f}")
+    targets.append(("two threads (1 thread per call): throughput vs one (>=)", th["speedup"], 1.5))
     mx = res.get("mixed", {})
     lines.append("")
     if "skip" in mx:
@@ -428,11 +481,12 @@ def format_report(res):
         targets.append(("mixed: lorahook / single adapter", mx["lorahook"] / mx["single"], 2.5))
     if res.get("thread_study"):
         lines.append("")
-        lines.append("SciPy BLAS threads (lorahook's kernels):")
-        lines.append(f"  {'threads':>7} {'prefill 512 4096 ms':>20} {'decode 4096 r64 ms':>19} "
-                     f"{'loop base ms':>13} {'loop hooked ms':>15} {'2 callers x':>12}")
-        for nt, lone, dec, base, hooked, sp in res["thread_study"]:
-            lines.append(f"  {nt:>7} {_ms(lone):>20} {_ms(dec):>19} {_ms(base):>13} {_ms(hooked):>15} {sp:12.2f}")
+        lines.append("thread settings (server loop: 128 rows x 4 layers; callers: 128 rows 1024->3584, ms per call):")
+        lines.append(f"  {'lorahook':>8} {'SciPy BLAS':>10} {'prefill 512 4096 ms':>20} {'decode 4096 r64 ms':>19} "
+                     f"{'loop base ms':>13} {'loop hooked ms':>15} {'1 caller':>9} {'2 callers':>10}")
+        for ours, blas, lone, dec, base, hooked, one, two in res["thread_study"]:
+            lines.append(f"  {ours:>8} {blas:>10} {_ms(lone):>20} {_ms(dec):>19} {_ms(base):>13} "
+                         f"{_ms(hooked):>15} {_ms(one):>9} {_ms(two):>10}")
     lines.append("")
     lines.append(f"{'target':48} {'value':>7} {'limit':>6} met")
     for name, value, limit in targets:
@@ -470,7 +524,7 @@ def main(argv=None):
         "Time lorahook against numpy and PyTorch on decode, prefill and server-loop scenarios."))
     parser.add_argument("--quick", action="store_true", help="short blocks (a rough run in ~30 s)")
     parser.add_argument("--no-thread-study", action="store_true",
-                        help="skip the SciPy BLAS 1-thread vs all-cores comparison")
+                        help="skip the comparison of thread settings")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
     progress = None if args.no_progress else _progress_bar(sys.stderr)

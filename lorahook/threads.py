@@ -80,10 +80,6 @@ _cached_path = None
 # Fortran symbols cython_blas resolves against, newest wheel naming first.
 _PROBE_SYMBOLS = ("scipy_sgemm_", "sgemm_", "sgemm", "scipy_sgemm_64_", "sgemm_64_")
 
-# OpenBLAS's thread-count getter under the names its builds export.
-_GETTER_SYMBOLS = ("scipy_openblas_get_num_threads", "scipy_openblas_get_num_threads64_",
-                   "openblas_get_num_threads", "openblas_get_num_threads64_")
-
 
 class _DlInfo(ctypes.Structure):
     _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
@@ -227,29 +223,6 @@ def set_blas_threads(n):
     return old
 
 
-def _blas_threads_getter_address():
-    """Address of the thread-count getter of the BLAS the kernels call, or 0."""
-    path = _cython_blas_library_path()
-    if path is None:
-        try:
-            path = os.path.realpath(_the_library().filepath)
-        except (ImportError, RuntimeError):
-            return 0
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError:
-        return 0
-    for symbol in _GETTER_SYMBOLS:
-        func = getattr(lib, symbol, None)
-        if func is not None:
-            _keep.append(lib)
-            return ctypes.cast(func, ctypes.c_void_p).value or 0
-    return 0
-
-
-_keep = []  # the library handle the core's getter pointer lives in
-
-
 def blas_info():
     """threadpoolctl's description of every BLAS/OpenMP library in the process.
 
@@ -296,7 +269,6 @@ def _apply_defaults():
         except (ImportError, RuntimeError):
             # Without threadpoolctl or an identifiable BLAS, leave BLAS as it is.
             pass
-    _rows._set_blas_threads_getter(_blas_threads_getter_address())
 
 
 _apply_defaults()

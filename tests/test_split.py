@@ -114,7 +114,7 @@ def test_one_thread_never_uses_a_helper(split_setup):
 
 
 def test_multithreaded_blas_turns_splitting_off(split_setup):
-    if threads._blas_threads_getter_address() == 0:
+    if _rows._blas_threads() == 0:
         pytest.skip("SciPy's BLAS here exports no OpenBLAS thread getter")
     rng = np.random.default_rng(3)
     layer = _layer(rng, 64, 96, 4)
@@ -298,3 +298,62 @@ def test_split_grain_setter_checks_its_arguments(split_setup):
             _rows.set_split_grain(8, bad)
     assert _rows.set_split_grain(16, 1e6) == (8, 0.0)
     assert _rows.get_split_grain() == (16, 1e6)
+
+
+def _many_small_groups(rng, n_adapters=8, per=16, d_in=64, d_out=96):
+    s = AdapterSet()
+    layers = {}
+    for k in range(n_adapters):
+        layers[f"a{k}"] = _layer(rng, d_in, d_out, 4, scale=0.5 + 0.1 * k, bias=(k % 3 == 0))
+        s.add(f"a{k}", LoraAdapter({(0, "o_proj"): layers[f"a{k}"]}))
+    names = [f"a{(i // per) % n_adapters}" if i % 5 else f"a{i % n_adapters}"
+             for i in range(n_adapters * per)]
+    return s, layers, names
+
+
+def test_many_small_groups_share_the_helpers(split_setup):
+    # no group is big enough to split on its own, but together they are, and
+    # since their rows are disjoint they run as one job
+    rng = np.random.default_rng(10)
+    s, layers, names = _many_small_groups(rng)
+    n = len(names)
+    bound = s.bind(names)
+    x = rng.standard_normal((n, 64)).astype(np.float32)
+    y0 = rng.standard_normal((n, 96)).astype(np.float32)
+    ref = np.stack([_ref(layers[nm], x[i:i + 1], y0[i:i + 1])[0] for i, nm in enumerate(names)])
+    _rows.set_split_grain(64, 0)
+    outs = []
+    for nthreads in (2, 4, 1):
+        threads.set_num_threads(nthreads)
+        y = y0.copy()
+        apply_lora_rows(bound, 0, "o_proj", x, y, 64, 96)
+        _close(y, ref)
+        outs.append(y)
+    assert np.array_equal(outs[0], outs[1])
+    threads.set_num_threads(2)
+    y = y0.copy()
+    assert _until_a_helper_joins(lambda: apply_lora_rows(bound, 0, "o_proj", x, y, 64, 96))
+
+
+def test_overlapping_small_groups_never_run_at_once(split_setup):
+    # the same rows in two groups: the grouped job is not used, so the call
+    # stays on the caller (each group alone is too small to split: 128 and 64
+    # rows against chunks of 65, while together they would make a job)
+    rng = np.random.default_rng(11)
+    l1, l2 = _layer(rng, 32, 40, 4), _layer(rng, 32, 40, 4)
+    n = 128
+    x = rng.standard_normal((n, 32)).astype(np.float32)
+    y = rng.standard_normal((n, 40)).astype(np.float32)
+    even = np.arange(0, n, 2, dtype=np.int32)
+    ref = _ref(l1, x, y)
+    ref[::2] += l2.scale * ((x[::2].astype(np.float64) @ l2.a.T) @ l2.b.T)
+    threads.set_num_threads(2)
+    _rows.set_split_grain(65, 0)
+    j0 = _rows._helper_joins()
+    for k in range(20):
+        yk = y.copy()
+        _rows.apply_groups([(l1._kernel, l1.scale, None, None), (l2._kernel, l2.scale, even, None)],
+                           x, yk, n, 32, 40)
+        if k == 0:
+            _close(yk, ref)
+    assert _rows._helper_joins() == j0

@@ -1,8 +1,10 @@
 """apply_lora_rows on the paths users hit: noop, decode, prefill, a server loop.
 
-SciPy's BLAS (lorahook's) is held to one thread, lorahook's default; the
+lorahook runs with its defaults: SciPy's BLAS (the one its kernels call) on
+one thread, and its own helper threads for large batched calls.  The
 ``threads`` parameter runs that many Python threads calling at once, each on
-its own buffers, and times the whole batch of calls (GIL-release check).
+its own buffers, and times the whole batch of calls (GIL-release check);
+``LargeCall`` varies lorahook's own threads per call.
 """
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,11 +22,21 @@ def _layer(rng, d_in, d_out, rank):
     return LoraLayer(a, b, 2.0)
 
 
+def _defaults():
+    """lorahook's default thread settings (also on versions that predate them)."""
+    set_blas = getattr(lh_threads, "set_blas_threads", None)
+    if set_blas is None:
+        lh_threads.set_num_threads(1)  # then the setting was SciPy's BLAS threads
+        return
+    set_blas(1)
+    lh_threads.set_num_threads(lh_threads.default_num_threads())
+
+
 class _Concurrent:
     """Runs ``self._call(i)`` on ``threads`` callers at once."""
 
     def _setup_pool(self, threads):
-        lh_threads.set_num_threads(1)
+        _defaults()
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
         self.threads = threads
 
@@ -85,6 +97,30 @@ class Rows(_Concurrent):
         self._run()
 
 
+class LargeCall:
+    """A lone large prefill call with 1 or 2 lorahook threads per call."""
+    params = [[(256, 1024, 3584), (512, 4096, 4096)], [1, 2]]
+    param_names = ["rows_shape", "lorahook_threads"]
+
+    def setup(self, rows_shape, lorahook_threads):
+        if not hasattr(lh_threads, "set_blas_threads"):
+            raise NotImplementedError  # lorahook without its own threads
+        _defaults()
+        lh_threads.set_num_threads(lorahook_threads)
+        rows, d_in, d_out = rows_shape
+        rng = np.random.default_rng(0)
+        self.args = (d_in, d_out)
+        self.hook = LoraAdapter({(0, "q_proj"): _layer(rng, d_in, d_out, 16)})
+        self.x = rng.standard_normal((rows, d_in)).astype(np.float32)
+        self.y = np.zeros((rows, d_out), np.float32)
+
+    def teardown(self, rows_shape, lorahook_threads):
+        _defaults()
+
+    def time_apply(self, rows_shape, lorahook_threads):
+        apply_lora_rows(self.hook, 0, "q_proj", self.x, self.y, *self.args)
+
+
 class ServerLoop(_Concurrent):
     """Qwen3.5-0.8B projections, numpy base matmul then the hook (rank 16)."""
     params = [[1, 128], [False, True], [1, 2]]
@@ -132,7 +168,7 @@ class MixedBatch:
         AdapterSet = getattr(lorahook, "AdapterSet", None)
         if AdapterSet is None:
             raise NotImplementedError
-        lh_threads.set_num_threads(1)
+        _defaults()
         rng = np.random.default_rng(0)
         s = AdapterSet()
         for k in range(adapters):
