@@ -49,7 +49,7 @@ def _close(got, ref):
     assert np.max(np.abs(got - ref)) <= 2e-6 * max(np.max(np.abs(ref)), 1.0) * np.sqrt(ref.shape[-1])
 
 
-def _until_a_helper_joins(fn, tries=400):
+def _until_a_helper_joins(fn, tries=2000):
     j0 = _rows._helper_joins()
     for _ in range(tries):
         fn()
@@ -132,33 +132,27 @@ def test_multithreaded_blas_turns_splitting_off(split_setup):
     _close(y, ref)
 
 
-def test_small_batches_stay_on_the_caller(split_setup):
-    # below two chunks of the grain the call is never split
-    rng = np.random.default_rng(4)
-    hook = LoraAdapter({(0, "q_proj"): _layer(rng, 64, 64, 4)})
+# 512 -> 512 at rank 4 is 2 * 4 * 1024 = 8192 flops per row: a floor of
+# 800_000 flops needs 98 rows per chunk, so two chunks need 196 rows
+@pytest.mark.parametrize("min_rows, min_flops, rows, splits", [
+    (64, 0, 127, False), (64, 0, 128, True),
+    (1, 800_000, 195, False), (1, 800_000, 196, True),
+])
+def test_the_grain_decides_when_a_call_splits(split_setup, min_rows, min_flops, rows, splits):
+    rng = np.random.default_rng(rows)
+    hook = LoraAdapter({(0, "q_proj"): _layer(rng, 512, 512, 4)})
     threads.set_num_threads(4)
-    _rows.set_split_grain(64, 0)
-    x = rng.standard_normal((127, 64)).astype(np.float32)
-    y = np.zeros((127, 64), np.float32)
-    j0 = _rows._helper_joins()
-    for _ in range(50):
-        apply_lora_rows(hook, 0, "q_proj", x, y, 64, 64)
-    assert _rows._helper_joins() == j0
-
-
-def test_flop_floor_sets_the_chunk_size(split_setup):
-    # 2 * rank * (d_in + d_out) = 2 * 4 * 128 = 1024 flops per row: a floor of
-    # 100_000 flops needs 98 rows per chunk, so 150 rows are not split
-    rng = np.random.default_rng(5)
-    hook = LoraAdapter({(0, "q_proj"): _layer(rng, 64, 64, 4)})
-    threads.set_num_threads(4)
-    _rows.set_split_grain(1, 100_000)
-    x = rng.standard_normal((150, 64)).astype(np.float32)
-    y = np.zeros((150, 64), np.float32)
-    j0 = _rows._helper_joins()
-    for _ in range(50):
-        apply_lora_rows(hook, 0, "q_proj", x, y, 64, 64)
-    assert _rows._helper_joins() == j0
+    _rows.set_split_grain(min_rows, min_flops)
+    x = rng.standard_normal((rows, 512)).astype(np.float32)
+    y = np.zeros((rows, 512), np.float32)
+    call = lambda: apply_lora_rows(hook, 0, "q_proj", x, y, 512, 512)
+    if splits:
+        assert _until_a_helper_joins(call)
+    else:
+        j0 = _rows._helper_joins()
+        for _ in range(50):
+            call()
+        assert _rows._helper_joins() == j0
 
 
 @pytest.mark.parametrize("crossover", [1, 8, 10**9])
