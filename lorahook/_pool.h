@@ -37,21 +37,23 @@ typedef struct {
     int slots;                /* helpers that may still join the current job */
     int active;               /* helpers running the current job */
     unsigned long gen;        /* job number, so a helper joins each job once */
-    unsigned long joins;      /* times a helper joined a job (diagnostics) */
     lorahook_task task;
     void *arg;
 } lorahook_pool_t;
 
 static lorahook_pool_t lorahook_pool = {
     PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-    0, 0, 0, 0, 0, 0, NULL, NULL};
+    0, 0, 0, 0, 0, NULL, NULL};
 static pthread_once_t lorahook_pool_once = PTHREAD_ONCE_INIT;
+static Py_ssize_t lorahook_in_flight = 0;
 
 static void lorahook_pool_prefork(void) { pthread_mutex_lock(&lorahook_pool.mu); }
 static void lorahook_pool_postfork_parent(void) { pthread_mutex_unlock(&lorahook_pool.mu); }
 static void lorahook_pool_postfork_child(void) {
-    /* Only the forking thread exists in the child: no helpers, no job.  The
-       mutex is held (prefork) by this very thread, so it is safe to reset. */
+    /* Only the forking thread exists in the child: no helpers, no job, and
+       no kernel call in flight (a call another thread was making in the
+       parent does not exist here).  The mutex is held (prefork) by this very
+       thread, so it is safe to reset. */
     pthread_cond_t fresh = PTHREAD_COND_INITIALIZER;
     lorahook_pool.work_cv = fresh;
     lorahook_pool.done_cv = fresh;
@@ -61,6 +63,7 @@ static void lorahook_pool_postfork_child(void) {
     lorahook_pool.active = 0;
     lorahook_pool.task = NULL;
     lorahook_pool.arg = NULL;
+    __atomic_store_n(&lorahook_in_flight, 0, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&lorahook_pool.mu);
 }
 static void lorahook_pool_init(void) {
@@ -80,7 +83,6 @@ static void *lorahook_pool_helper(void *unused) {
         seen = lorahook_pool.gen;
         lorahook_pool.slots--;
         lorahook_pool.active++;
-        lorahook_pool.joins++;
         task = lorahook_pool.task;
         arg = lorahook_pool.arg;
         pthread_mutex_unlock(&lorahook_pool.mu);
@@ -92,8 +94,10 @@ static void *lorahook_pool_helper(void *unused) {
     return NULL;
 }
 
-/* Start helpers until `want` exist; call with mu held.  Helpers block every
-   signal, so signals keep going to the threads the program knows about. */
+/* Start helpers until `want` exist; call with mu held.  Helpers block the
+   asynchronous signals, so those keep going to the threads the program knows
+   about; faults (SIGSEGV, SIGBUS, SIGFPE, SIGILL) and SIGABRT stay
+   unblocked, so a crash on a helper still reaches faulthandler. */
 static void lorahook_pool_grow(int want) {
     pthread_attr_t attr;
     sigset_t all, old;
@@ -103,6 +107,11 @@ static void lorahook_pool_grow(int want) {
     if (pthread_attr_init(&attr) != 0) return;
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     sigfillset(&all);
+    sigdelset(&all, SIGSEGV);
+    sigdelset(&all, SIGBUS);
+    sigdelset(&all, SIGFPE);
+    sigdelset(&all, SIGILL);
+    sigdelset(&all, SIGABRT);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     while (lorahook_pool.started < want) {
         if (pthread_create(&tid, &attr, lorahook_pool_helper, NULL) != 0)
@@ -159,24 +168,23 @@ static int lorahook_pool_started(void) {
     return n;
 }
 
-/* Times a helper has joined a job in this process (diagnostics). */
-static unsigned long lorahook_pool_joins(void) {
-    unsigned long n;
-    pthread_mutex_lock(&lorahook_pool.mu);
-    n = lorahook_pool.joins;
-    pthread_mutex_unlock(&lorahook_pool.mu);
-    return n;
-}
-
 /* Kernel calls running right now, on any thread.  A helper takes another
    chunk only while the call it helps is the only one: when a second Python
    thread starts calling lorahook, each call keeps to its own thread instead
-   of three threads sharing two cores. */
-static Py_ssize_t lorahook_in_flight = 0;
+   of three threads sharing two cores.  (Defined with the pool state.) */
 static void lorahook_enter(void) { __atomic_add_fetch(&lorahook_in_flight, 1, __ATOMIC_RELAXED); }
 static void lorahook_leave(void) { __atomic_sub_fetch(&lorahook_in_flight, 1, __ATOMIC_RELAXED); }
 static Py_ssize_t lorahook_calls_in_flight(void) {
     return __atomic_load_n(&lorahook_in_flight, __ATOMIC_RELAXED);
+}
+
+/* Work items run by helper threads in this process (diagnostics, tests). */
+static Py_ssize_t lorahook_helper_items = 0;
+static void lorahook_count_helper_item(void) {
+    __atomic_add_fetch(&lorahook_helper_items, 1, __ATOMIC_RELAXED);
+}
+static Py_ssize_t lorahook_helper_items_done(void) {
+    return __atomic_load_n(&lorahook_helper_items, __ATOMIC_RELAXED);
 }
 
 /* Take the next chunk index of a job: an atomic fetch-and-add. */

@@ -105,7 +105,8 @@ cdef extern from "_pool.h":
     void lorahook_leave() noexcept nogil
     Py_ssize_t lorahook_calls_in_flight() noexcept nogil
     int lorahook_pool_started() noexcept nogil
-    unsigned long lorahook_pool_joins() noexcept nogil
+    Py_ssize_t lorahook_helper_items_done() noexcept nogil
+    void lorahook_count_helper_item() noexcept nogil
     Py_ssize_t lorahook_next_chunk(Py_ssize_t *counter) noexcept nogil
     void lorahook_store_int(int *p, int v) noexcept nogil
     void lorahook_find_blas_threads_fn(void *blas_caller) noexcept nogil
@@ -183,8 +184,9 @@ def set_split_grain(min_rows, min_flops):
     """Set the smallest chunk a split batched call hands to a thread; returns the old pair.
 
     A segment of ``n`` rows is split into ``min(16, n // rows_per_chunk)``
-    chunks, where ``rows_per_chunk`` is the larger of ``min_rows`` and the
-    rows holding ``min_flops`` flops; fewer than two chunks means no split.
+    chunks, where ``rows_per_chunk`` is the largest of ``min_rows``, the
+    gemm crossover and the rows holding ``min_flops`` flops (rounded up);
+    fewer than two chunks means no split.
     """
     global _split_min_rows, _split_min_flops
     rows = _as_width(min_rows, "min_rows")
@@ -202,9 +204,9 @@ def _helper_threads():
     return lorahook_pool_started()
 
 
-def _helper_joins():
-    """Times one of lorahook's helper threads has joined a split call in this process."""
-    return lorahook_pool_joins()
+def _helper_items():
+    """Work items lorahook's helper threads have run in this process."""
+    return lorahook_helper_items_done()
 
 
 def _blas_threads():
@@ -519,6 +521,21 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
     return 0
 
 
+ctypedef struct Plan:
+    # the settings one call runs with, read once with the GIL held
+    Py_ssize_t crossover
+    Py_ssize_t min_rows
+    double min_flops
+    int nthreads
+
+
+cdef inline void _plan(Plan *p) noexcept:
+    p.crossover = _gemm_crossover
+    p.min_rows = _split_min_rows
+    p.min_flops = _split_min_flops
+    p.nthreads = _num_threads
+
+
 ctypedef struct WorkItem:
     # rows [k0, k1) of one segment's rows
     const Segment *s
@@ -578,28 +595,35 @@ cdef void _run_items(SplitJob *job, bint helper) noexcept nogil:
             sub.row_scales = it.s.row_scales + it.k0
         if _run_segment(&sub, X, Y, job.d_in, job.d_out, job.crossover) != 0:
             lorahook_store_int(&job.rc, -1)
+        if helper:
+            lorahook_count_helper_item()
 
 
 cdef inline double _segment_flops(const Segment *s, int d_in, int d_out) noexcept nogil:
     return 2.0 * s.rank * (<double>d_in + d_out) * s.n_rows
 
 
-cdef Py_ssize_t _chunks_for(const Segment *s, int d_in, int d_out,
-                            Py_ssize_t crossover) noexcept nogil:
+cdef Py_ssize_t _chunks_for(const Segment *s, int d_in, int d_out, const Plan *p) noexcept nogil:
     """Chunks a segment is cut into when split: 1 means it stays whole.
 
-    Depends only on the segment's shape and the split grain, never on the
-    thread count or on timing, so results are reproducible.
+    Depends only on the segment's shape and the call's plan, never on the
+    thread count or on timing, so results are reproducible.  Every chunk has
+    at least ``crossover`` rows, so it takes the same kernel as the whole.
     """
     cdef Py_ssize_t n = s.n_rows
-    cdef double row_flops
+    cdef double row_flops, need
     cdef Py_ssize_t rows_per_chunk, n_chunks
-    if s.rank == 0 or n < crossover or n < 2 * _split_min_rows:
+    if s.rank == 0 or n < p.crossover or n < 2 * p.min_rows:
         return 1
     row_flops = 2.0 * s.rank * (<double>d_in + d_out)
-    rows_per_chunk = _split_min_rows
-    if row_flops * rows_per_chunk < _split_min_flops:
-        rows_per_chunk = <Py_ssize_t>(_split_min_flops / row_flops) + 1
+    rows_per_chunk = p.min_rows if p.min_rows > p.crossover else p.crossover
+    need = p.min_flops / row_flops
+    if need > <double>n:
+        return 1  # (also keeps the cast below in range)
+    if <double>rows_per_chunk < need:
+        rows_per_chunk = <Py_ssize_t>need
+        if <double>rows_per_chunk < need:
+            rows_per_chunk += 1
     n_chunks = n // rows_per_chunk
     if n_chunks > _MAX_CHUNKS:
         n_chunks = _MAX_CHUNKS
@@ -620,7 +644,7 @@ cdef Py_ssize_t _fill_items(const Segment *s, Py_ssize_t n_chunks, WorkItem *ite
 
 
 cdef int _run_job(const WorkItem *items, Py_ssize_t n_items, const float *X, float *Y,
-                  int d_in, int d_out, Py_ssize_t crossover, int nthreads) noexcept nogil:
+                  int d_in, int d_out, const Plan *p) noexcept nogil:
     cdef SplitJob job
     job.items = items
     job.n_items = n_items
@@ -628,16 +652,16 @@ cdef int _run_job(const WorkItem *items, Py_ssize_t n_items, const float *X, flo
     job.Y = Y
     job.d_in = d_in
     job.d_out = d_out
-    job.crossover = crossover
+    job.crossover = p.crossover
     job.next = 0
     job.rc = 0
     lorahook_pool_run(_split_caller, _split_helper, &job,
-                      nthreads - 1 if nthreads - 1 < n_items - 1 else <int>(n_items - 1))
+                      p.nthreads - 1 if p.nthreads - 1 < n_items - 1 else <int>(n_items - 1))
     return job.rc
 
 
 cdef int _run_segment_threads(const Segment *s, const float *X, float *Y, int d_in, int d_out,
-                              Py_ssize_t crossover, int nthreads) noexcept nogil:
+                              const Plan *p) noexcept nogil:
     """``_run_segment``, with a large batched segment split over lorahook's threads.
 
     With ``nthreads == 1`` (or a multi-threaded BLAS underneath) this is
@@ -646,16 +670,15 @@ cdef int _run_segment_threads(const Segment *s, const float *X, float *Y, int d_
     call that finds the helpers busy runs the same chunks on its own thread.
     """
     cdef WorkItem items[_MAX_CHUNKS]
-    cdef Py_ssize_t n_chunks = _chunks_for(s, d_in, d_out, crossover)
-    if n_chunks < 2 or not _may_split(nthreads):
-        return _run_segment(s, X, Y, d_in, d_out, crossover)
+    cdef Py_ssize_t n_chunks = _chunks_for(s, d_in, d_out, p)
+    if n_chunks < 2 or not _may_split(p.nthreads):
+        return _run_segment(s, X, Y, d_in, d_out, p.crossover)
     _fill_items(s, n_chunks, items)
-    return _run_job(items, n_chunks, X, Y, d_in, d_out, crossover, nthreads)
+    return _run_job(items, n_chunks, X, Y, d_in, d_out, p)
 
 
 cdef int _run_groups(const Segment *segs, Py_ssize_t ng, bint disjoint, WorkItem *items,
-                     const float *X, float *Y, int d_in, int d_out,
-                     Py_ssize_t crossover, int nthreads) noexcept nogil:
+                     const float *X, float *Y, int d_in, int d_out, const Plan *p) noexcept nogil:
     """Run every segment of a grouped call.
 
     When no two segments share a row, all of them (large ones cut into their
@@ -667,16 +690,16 @@ cdef int _run_groups(const Segment *segs, Py_ssize_t ng, bint disjoint, WorkItem
     cdef Py_ssize_t g, n_items = 0, rows = 0
     cdef double flops = 0.0
     cdef int rc = 0
-    if disjoint and _may_split(nthreads):
+    if disjoint and _may_split(p.nthreads):
         for g in range(ng):
-            n_items += _fill_items(&segs[g], _chunks_for(&segs[g], d_in, d_out, crossover),
+            n_items += _fill_items(&segs[g], _chunks_for(&segs[g], d_in, d_out, p),
                                    items + n_items)
             rows += segs[g].n_rows
             flops += _segment_flops(&segs[g], d_in, d_out)
-        if n_items >= 2 and rows >= 2 * _split_min_rows and flops >= 2.0 * _split_min_flops:
-            return _run_job(items, n_items, X, Y, d_in, d_out, crossover, nthreads)
+        if n_items >= 2 and rows >= 2 * p.min_rows and flops >= 2.0 * p.min_flops:
+            return _run_job(items, n_items, X, Y, d_in, d_out, p)
     for g in range(ng):
-        rc = _run_segment_threads(&segs[g], X, Y, d_in, d_out, crossover, nthreads)
+        rc = _run_segment_threads(&segs[g], X, Y, d_in, d_out, p)
         if rc != 0:
             return rc
     return 0
@@ -702,11 +725,11 @@ def apply_layer(LayerKernel layer not None, input, output, Py_ssize_t n_rows):
     cdef const float *X = <const float *>cnp.PyArray_DATA(x)
     cdef float *Y = <float *>cnp.PyArray_DATA(y)
     cdef int rc
-    cdef Py_ssize_t crossover = _gemm_crossover
-    cdef int nthreads = _num_threads
+    cdef Plan plan
+    _plan(&plan)
     with nogil:
         lorahook_enter()
-        rc = _run_segment_threads(&seg, X, Y, layer.d_in, layer.d_out, crossover, nthreads)
+        rc = _run_segment_threads(&seg, X, Y, layer.d_in, layer.d_out, &plan)
         lorahook_leave()
     if rc != 0:
         raise MemoryError("lorahook could not allocate its scratch buffer")
@@ -799,11 +822,11 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
     cdef int rc = 0
     cdef int di = <int>d_in
     cdef int do = <int>d_out
-    cdef Py_ssize_t crossover = _gemm_crossover
-    cdef int nthreads = _num_threads
+    cdef Plan plan
+    _plan(&plan)
     with nogil:
         lorahook_enter()
-        rc = _run_groups(segs, ng, disjoint, items, X, Y, di, do, crossover, nthreads)
+        rc = _run_groups(segs, ng, disjoint, items, X, Y, di, do, &plan)
         lorahook_leave()
     if rc != 0:
         raise MemoryError("lorahook could not allocate its scratch buffer")

@@ -31,16 +31,18 @@ Why this split, measured on a 2-core machine with ``lorahook bench`` (see
   call that finds the helpers busy runs alone, so concurrent callers do not
   oversubscribe the machine.
 * Decode (one row, ``sgemv``) and small batches stay on the calling thread:
-  a batch is split only into chunks of at least 64 rows and 4 MFLOP
-  (``lorahook._rows.get_split_grain``), below which handing work to another
-  thread costs more than it saves.
+  a batch is split only into chunks of at least 64 rows (and never fewer
+  than the gemm crossover) and 4 MFLOP (``lorahook._rows.get_split_grain``),
+  below which handing work to another thread costs more than it saves.
 * Chunk boundaries depend only on the batch's shape, never on timing, so a
   result is the same bits whichever thread ran which chunk, and the same for
   every thread count ``>= 2``.  With 1 thread the batch is not chunked, which
   can change the last bits of float32 rounding.
 * If SciPy's BLAS is given more than one thread (``set_blas_threads`` or
   threadpoolctl), lorahook stops splitting and leaves threading to BLAS, so
-  the two never multiply.
+  the two never multiply.  The core reads that count from OpenBLAS (what
+  SciPy's wheels ship); with a BLAS it cannot ask, keep that BLAS at one
+  thread or call ``set_num_threads(1)``.
 
 Override it
 -----------

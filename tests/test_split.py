@@ -49,11 +49,12 @@ def _close(got, ref):
     assert np.max(np.abs(got - ref)) <= 2e-6 * max(np.max(np.abs(ref)), 1.0) * np.sqrt(ref.shape[-1])
 
 
-def _until_a_helper_joins(fn, tries=2000):
-    j0 = _rows._helper_joins()
+def _until_a_helper_works(fn, tries=2000):
+    """Call ``fn`` until a helper thread has run a work item (True) or give up."""
+    j0 = _rows._helper_items()
     for _ in range(tries):
         fn()
-        if _rows._helper_joins() > j0:
+        if _rows._helper_items() > j0:
             return True
     return False
 
@@ -80,7 +81,7 @@ def test_split_actually_runs_on_helper_threads(split_setup):
     x = rng.standard_normal((512, 256)).astype(np.float32)
     y = np.zeros((512, 512), np.float32)
     threads.set_num_threads(2)
-    assert _until_a_helper_joins(lambda: apply_lora_rows(hook, 0, "q_proj", x, y, 256, 512))
+    assert _until_a_helper_works(lambda: apply_lora_rows(hook, 0, "q_proj", x, y, 256, 512))
     assert _rows._helper_threads() >= 1
 
 
@@ -107,10 +108,10 @@ def test_one_thread_never_uses_a_helper(split_setup):
     x = rng.standard_normal((256, 64)).astype(np.float32)
     y = np.zeros((256, 64), np.float32)
     threads.set_num_threads(1)
-    j0 = _rows._helper_joins()
+    j0 = _rows._helper_items()
     for _ in range(50):
         apply_lora_rows(hook, 0, "q_proj", x, y, 64, 64)
-    assert _rows._helper_joins() == j0
+    assert _rows._helper_items() == j0
 
 
 def test_multithreaded_blas_turns_splitting_off(split_setup):
@@ -124,11 +125,11 @@ def test_multithreaded_blas_turns_splitting_off(split_setup):
     ref = _ref(layer, x, y)
     threads.set_num_threads(4)
     threads.set_blas_threads(2)
-    j0 = _rows._helper_joins()
+    j0 = _rows._helper_items()
     apply_lora_rows(hook, 0, "q_proj", x, y, 64, 96)
     for _ in range(30):
         apply_lora_rows(hook, 0, "q_proj", x, np.zeros_like(y), 64, 96)
-    assert _rows._helper_joins() == j0
+    assert _rows._helper_items() == j0
     _close(y, ref)
 
 
@@ -137,6 +138,10 @@ def test_multithreaded_blas_turns_splitting_off(split_setup):
 @pytest.mark.parametrize("min_rows, min_flops, rows, splits", [
     (64, 0, 127, False), (64, 0, 128, True),
     (1, 800_000, 195, False), (1, 800_000, 196, True),
+    # exactly 100 rows' worth of flops: two chunks of 100 rows
+    (1, 819_200, 199, False), (1, 819_200, 200, True),
+    # chunks never go below the gemm crossover (32): 63 rows make one chunk
+    (1, 0, 63, False), (1, 0, 64, True),
 ])
 def test_the_grain_decides_when_a_call_splits(split_setup, min_rows, min_flops, rows, splits):
     rng = np.random.default_rng(rows)
@@ -147,12 +152,12 @@ def test_the_grain_decides_when_a_call_splits(split_setup, min_rows, min_flops, 
     y = np.zeros((rows, 512), np.float32)
     call = lambda: apply_lora_rows(hook, 0, "q_proj", x, y, 512, 512)
     if splits:
-        assert _until_a_helper_joins(call)
+        assert _until_a_helper_works(call)
     else:
-        j0 = _rows._helper_joins()
+        j0 = _rows._helper_items()
         for _ in range(50):
             call()
-        assert _rows._helper_joins() == j0
+        assert _rows._helper_items() == j0
 
 
 @pytest.mark.parametrize("crossover", [1, 8, 10**9])
@@ -251,7 +256,9 @@ def test_concurrent_callers_get_correct_results(split_setup):
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_starts_its_own_helpers():
     # the parent's helpers do not exist in a forked child; a split call there
-    # must neither hang nor crash, and must give the right answer
+    # must neither hang nor crash, must give the right answer, and must get
+    # help from the child's own helpers -- also when another thread of the
+    # parent was inside a lorahook call at the moment of the fork
     code = textwrap.dedent("""
         import os, sys, numpy as np
         from lorahook import LoraAdapter, LoraLayer, _rows, apply_lora_rows, threads
@@ -268,18 +275,39 @@ def test_forked_child_starts_its_own_helpers():
             apply_lora_rows(hook, 0, "q_proj", x, y, 64, 96)
             return np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
         assert ok() and _rows._helper_threads() >= 1
-        pid = os.fork()
-        if pid == 0:
-            good = ok() and ok() and _rows._helper_threads() >= 1
-            os._exit(0 if good else 3)
-        _, status = os.waitpid(pid, 0)
+        import threading
+        stop = threading.Event()
+        def busy():
+            while not stop.is_set():
+                ok()
+        t = threading.Thread(target=busy)
+        t.start()
+        codes = []
+        for _ in range(5):
+            pid = os.fork()
+            if pid == 0:
+                good = all(ok() for _ in range(3)) and _rows._helper_threads() >= 1
+                _rows.set_split_grain(64, 0)
+                rows = np.zeros((4096, 96), np.float32)
+                big = rng.standard_normal((4096, 64)).astype(np.float32)
+                n0 = _rows._helper_items()
+                for _ in range(2000):
+                    apply_lora_rows(hook, 0, "q_proj", big, rows, 64, 96)
+                    if _rows._helper_items() > n0:
+                        break
+                helped = _rows._helper_items() > n0
+                os._exit(0 if good and helped else (3 if not good else 4))
+            _, status = os.waitpid(pid, 0)
+            codes.append(os.waitstatus_to_exitcode(status))
+        stop.set()
+        t.join()
         assert ok()
-        print(os.waitstatus_to_exitcode(status))
+        print(" ".join(map(str, codes)))
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "0"
+    assert out.stdout.split() == ["0"] * 5
 
 
 def test_split_grain_setter_checks_its_arguments(split_setup):
@@ -326,7 +354,7 @@ def test_many_small_groups_share_the_helpers(split_setup):
     assert np.array_equal(outs[0], outs[1])
     threads.set_num_threads(2)
     y = y0.copy()
-    assert _until_a_helper_joins(lambda: apply_lora_rows(bound, 0, "o_proj", x, y, 64, 96))
+    assert _until_a_helper_works(lambda: apply_lora_rows(bound, 0, "o_proj", x, y, 64, 96))
 
 
 def test_overlapping_small_groups_never_run_at_once(split_setup):
@@ -343,11 +371,81 @@ def test_overlapping_small_groups_never_run_at_once(split_setup):
     ref[::2] += l2.scale * ((x[::2].astype(np.float64) @ l2.a.T) @ l2.b.T)
     threads.set_num_threads(2)
     _rows.set_split_grain(65, 0)
-    j0 = _rows._helper_joins()
+    j0 = _rows._helper_items()
     for k in range(20):
         yk = y.copy()
         _rows.apply_groups([(l1._kernel, l1.scale, None, None), (l2._kernel, l2.scale, even, None)],
                            x, yk, n, 32, 40)
         if k == 0:
             _close(yk, ref)
-    assert _rows._helper_joins() == j0
+    assert _rows._helper_items() == j0
+
+
+def test_groups_sharing_explicit_rows_never_run_at_once(split_setup):
+    # two groups on overlapping explicit rows, each too small to split on its
+    # own (128 and 64 rows against chunks of 65) but big enough together:
+    # running them as one job would race on the shared rows
+    rng = np.random.default_rng(12)
+    l1, l2 = _layer(rng, 32, 40, 4), _layer(rng, 32, 40, 4)
+    n = 128
+    x = rng.standard_normal((n, 32)).astype(np.float32)
+    y = rng.standard_normal((n, 40)).astype(np.float32)
+    every = np.arange(n, dtype=np.int32)
+    tail = np.arange(n - 64, n, dtype=np.int32)
+    ref = _ref(l1, x, y)
+    ref[n - 64:] += l2.scale * ((x[n - 64:].astype(np.float64) @ l2.a.T) @ l2.b.T)
+    threads.set_num_threads(2)
+    _rows.set_split_grain(65, 0)
+    n0 = _rows._helper_items()
+    for _ in range(50):
+        yk = y.copy()
+        _rows.apply_groups([(l1._kernel, l1.scale, every, None), (l2._kernel, l2.scale, tail, None)],
+                           x, yk, n, 32, 40)
+        _close(yk, ref)
+    assert _rows._helper_items() == n0
+
+
+def test_large_groups_sharing_rows_stay_correct(split_setup):
+    # groups big enough to split on their own: each is split by itself, one
+    # group after the other, so every call adds both deltas exactly once
+    rng = np.random.default_rng(13)
+    d_in, d_out, n = 64, 256, 512
+    l1, l2 = _layer(rng, d_in, d_out, 8), _layer(rng, d_in, d_out, 8)
+    x = rng.standard_normal((n, d_in)).astype(np.float32)
+    y = rng.standard_normal((n, d_out)).astype(np.float32)
+    every = np.arange(n, dtype=np.int32)
+    tail = np.arange(n - 256, n, dtype=np.int32)
+    ref = _ref(l1, x, y)
+    ref[n - 256:] += l2.scale * ((x[n - 256:].astype(np.float64) @ l2.a.T) @ l2.b.T)
+    threads.set_num_threads(2)
+    first = None
+    for _ in range(100):
+        yk = y.copy()
+        _rows.apply_groups([(l1._kernel, l1.scale, every, None), (l2._kernel, l2.scale, tail, None)],
+                           x, yk, n, d_in, d_out)
+        if first is None:
+            _close(yk, ref)
+            first = yk
+        assert np.array_equal(yk, first)
+
+
+def test_grouped_calls_do_not_split_under_a_multithreaded_blas(split_setup):
+    if _rows._blas_threads() == 0:
+        pytest.skip("SciPy's BLAS here exports no OpenBLAS thread getter")
+    rng = np.random.default_rng(14)
+    s, layers, names = _many_small_groups(rng)
+    bound = s.bind(names)
+    n = len(names)
+    x = rng.standard_normal((n, 64)).astype(np.float32)
+    y0 = rng.standard_normal((n, 96)).astype(np.float32)
+    ref = np.stack([_ref(layers[nm], x[i:i + 1], y0[i:i + 1])[0] for i, nm in enumerate(names)])
+    _rows.set_split_grain(8, 0)
+    threads.set_num_threads(4)
+    threads.set_blas_threads(2)
+    n0 = _rows._helper_items()
+    y = y0.copy()
+    apply_lora_rows(bound, 0, "o_proj", x, y, 64, 96)
+    _close(y, ref)
+    for _ in range(30):
+        apply_lora_rows(bound, 0, "o_proj", x, y0.copy(), 64, 96)
+    assert _rows._helper_items() == n0
