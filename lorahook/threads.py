@@ -256,6 +256,10 @@ def _env_count(name, value):
 def _apply_defaults():
     from . import _rows
     value = os.environ.get(_ENV, "").strip()
+    if value.lower() == "keep":
+        raise ValueError(f"{_ENV} sets lorahook's own threads and must be an integer from 1 "
+                         f"to 64, got {value!r}; to leave SciPy's BLAS as it is, set "
+                         f"{_BLAS_ENV}=keep")
     if value:
         n = _env_count(_ENV, value)
         if n > 64:

@@ -72,6 +72,8 @@ def test_num_threads_environment():
     for bad in ("zero", "0", "65", "keep"):
         res = _child(code, LORAHOOK_NUM_THREADS=bad)
         assert res.returncode != 0 and "LORAHOOK_NUM_THREADS" in res.stderr, bad
+    # the old spelling for "leave SciPy's BLAS alone" points at the new one
+    assert "LORAHOOK_BLAS_THREADS=keep" in _child(code, LORAHOOK_NUM_THREADS="keep").stderr
 
 
 def test_blas_threads_environment_and_keep():
