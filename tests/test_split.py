@@ -357,49 +357,33 @@ def test_many_small_groups_share_the_helpers(split_setup):
     assert _until_a_helper_works(lambda: apply_lora_rows(bound, 0, "o_proj", x, y, 64, 96))
 
 
-def test_overlapping_small_groups_never_run_at_once(split_setup):
-    # the same rows in two groups: the grouped job is not used, so the call
-    # stays on the caller (each group alone is too small to split: 128 and 64
-    # rows against chunks of 65, while together they would make a job)
-    rng = np.random.default_rng(11)
-    l1, l2 = _layer(rng, 32, 40, 4), _layer(rng, 32, 40, 4)
-    n = 128
-    x = rng.standard_normal((n, 32)).astype(np.float32)
-    y = rng.standard_normal((n, 40)).astype(np.float32)
-    even = np.arange(0, n, 2, dtype=np.int32)
+def _two_groups(rng, d_in, d_out, n, second_rows):
+    """Two layers, the first on every row, the second on ``second_rows``, and the reference."""
+    l1, l2 = _layer(rng, d_in, d_out, 4), _layer(rng, d_in, d_out, 4)
+    x = rng.standard_normal((n, d_in)).astype(np.float32)
+    y = rng.standard_normal((n, d_out)).astype(np.float32)
     ref = _ref(l1, x, y)
-    ref[::2] += l2.scale * ((x[::2].astype(np.float64) @ l2.a.T) @ l2.b.T)
-    threads.set_num_threads(2)
-    _rows.set_split_grain(65, 0)
-    j0 = _rows._helper_items()
-    for k in range(20):
-        yk = y.copy()
-        _rows.apply_groups([(l1._kernel, l1.scale, None, None), (l2._kernel, l2.scale, even, None)],
-                           x, yk, n, 32, 40)
-        if k == 0:
-            _close(yk, ref)
-    assert _rows._helper_items() == j0
+    ref[second_rows] += l2.scale * ((x[second_rows].astype(np.float64) @ l2.a.T) @ l2.b.T)
+    return l1, l2, x, y, ref
 
 
-def test_groups_sharing_explicit_rows_never_run_at_once(split_setup):
-    # two groups on overlapping explicit rows, each too small to split on its
-    # own (128 and 64 rows against chunks of 65) but big enough together:
-    # running them as one job would race on the shared rows
-    rng = np.random.default_rng(12)
-    l1, l2 = _layer(rng, 32, 40, 4), _layer(rng, 32, 40, 4)
+@pytest.mark.parametrize("first_explicit", [False, True])
+@pytest.mark.parametrize("second", ["even", "tail"])
+def test_small_groups_sharing_rows_never_run_at_once(split_setup, first_explicit, second):
+    # the first group on every row (as None or as explicit indices), the
+    # second on some of them: each is too small to split on its own (128 and
+    # 64 rows against chunks of 65) but big enough together, and running them
+    # as one job would race on the shared rows
     n = 128
-    x = rng.standard_normal((n, 32)).astype(np.float32)
-    y = rng.standard_normal((n, 40)).astype(np.float32)
-    every = np.arange(n, dtype=np.int32)
-    tail = np.arange(n - 64, n, dtype=np.int32)
-    ref = _ref(l1, x, y)
-    ref[n - 64:] += l2.scale * ((x[n - 64:].astype(np.float64) @ l2.a.T) @ l2.b.T)
+    rows2 = (np.arange(0, n, 2) if second == "even" else np.arange(n - 64, n)).astype(np.int32)
+    l1, l2, x, y, ref = _two_groups(np.random.default_rng(11), 32, 40, n, rows2)
+    rows1 = np.arange(n, dtype=np.int32) if first_explicit else None
     threads.set_num_threads(2)
     _rows.set_split_grain(65, 0)
     n0 = _rows._helper_items()
     for _ in range(50):
         yk = y.copy()
-        _rows.apply_groups([(l1._kernel, l1.scale, every, None), (l2._kernel, l2.scale, tail, None)],
+        _rows.apply_groups([(l1._kernel, l1.scale, rows1, None), (l2._kernel, l2.scale, rows2, None)],
                            x, yk, n, 32, 40)
         _close(yk, ref)
     assert _rows._helper_items() == n0
@@ -408,21 +392,16 @@ def test_groups_sharing_explicit_rows_never_run_at_once(split_setup):
 def test_large_groups_sharing_rows_stay_correct(split_setup):
     # groups big enough to split on their own: each is split by itself, one
     # group after the other, so every call adds both deltas exactly once
-    rng = np.random.default_rng(13)
-    d_in, d_out, n = 64, 256, 512
-    l1, l2 = _layer(rng, d_in, d_out, 8), _layer(rng, d_in, d_out, 8)
-    x = rng.standard_normal((n, d_in)).astype(np.float32)
-    y = rng.standard_normal((n, d_out)).astype(np.float32)
-    every = np.arange(n, dtype=np.int32)
+    n = 512
     tail = np.arange(n - 256, n, dtype=np.int32)
-    ref = _ref(l1, x, y)
-    ref[n - 256:] += l2.scale * ((x[n - 256:].astype(np.float64) @ l2.a.T) @ l2.b.T)
+    l1, l2, x, y, ref = _two_groups(np.random.default_rng(13), 64, 256, n, tail)
+    every = np.arange(n, dtype=np.int32)
     threads.set_num_threads(2)
     first = None
     for _ in range(100):
         yk = y.copy()
         _rows.apply_groups([(l1._kernel, l1.scale, every, None), (l2._kernel, l2.scale, tail, None)],
-                           x, yk, n, d_in, d_out)
+                           x, yk, n, 64, 256)
         if first is None:
             _close(yk, ref)
             first = yk
