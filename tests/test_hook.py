@@ -43,9 +43,10 @@ def test_python_hook_gets_readonly_input_and_aliasing_output_views():
     x = np.array([[1, 10], [2, 20]], dtype=np.float32)
     out = np.zeros((2, 3), dtype=np.float32)
     apply_lora_rows(hook, 5, "q_proj", x, out, 2, 3)
+    assert len(hook.seen) == 2
     for i, (xr, yr) in enumerate(hook.seen):
         assert isinstance(xr, np.ndarray) and xr.dtype == np.float32 and xr.ndim == 1
-        assert not xr.flags.writeable
+        assert not xr.flags.writeable and xr.tolist() == x[i].tolist()
         assert yr.flags.writeable and np.shares_memory(yr, out[i])
     assert x.flags.writeable  # the caller's array is left as it was
 
@@ -144,7 +145,7 @@ def test_overlapping_buffers_refused():
 
 def test_check_order_type_before_shape():
     # dtype is checked before ndim / widths, as the contract orders them
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="float32"):
         _call(x=np.zeros((1, 1, 1), np.float64), wi=0)
     with pytest.raises(ValueError, match="C-contiguous"):
         _call(x=np.zeros((4, 2), np.float32)[::2], wi=0)
