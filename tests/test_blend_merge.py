@@ -278,55 +278,35 @@ def _untouched(weights, snapshot):
     return all(np.array_equal(weights[k], snapshot[k]) for k in snapshot)
 
 
-def test_merge_missing_key_touches_nothing(three, rng):
-    adapter = three[1]
-    weights, _ = base_weights(rng, adapter)
-    del weights[(2, "o_proj")]
-    snapshot = {k: v.copy() for k, v in weights.items()}
-    with pytest.raises(KeyError, match="o_proj"):
-        adapter.merge_into(weights)
-    assert _untouched(weights, snapshot)
+def _read_only(w):
+    w = w.copy()
+    w.flags.writeable = False
+    return w
 
 
-def test_merge_wrong_shape_touches_nothing(three, rng):
-    adapter = three[1]
-    weights, _ = base_weights(rng, adapter)
-    # The last key in sorted order is wrong: earlier keys must not have been written.
-    last = sorted(adapter.layers)[-1]
-    weights[last] = np.zeros((3, 3), np.float32)
-    snapshot = {k: v.copy() for k, v in weights.items()}
-    with pytest.raises(ValueError, match="shape"):
-        adapter.merge_into(weights)
-    assert _untouched(weights, snapshot)
-
-
-def test_merge_transposed_weight_refused(rng):
-    layer = rand_layer(rng, 2, 16, 24)
-    adapter = LoraAdapter({(0, "q_proj"): layer})
-    weights = {(0, "q_proj"): np.zeros((16, 24), np.float32)}
-    with pytest.raises(ValueError, match=r"\(24, 16\)"):
-        adapter.merge_into(weights)
-
-
-def test_merge_wrong_dtype_touches_nothing(three, rng):
+@pytest.mark.parametrize("op", ["merge_into", "unmerge_from"])
+@pytest.mark.parametrize("spoil, exc, match", [
+    pytest.param(None, KeyError, "o_proj", id="missing"),
+    pytest.param(lambda w: np.zeros((3, 3), np.float32), ValueError, r"shape.*\(32, 40\)",
+                 id="wrong_shape"),
+    pytest.param(lambda w: np.zeros(w.shape[::-1], np.float32), ValueError, r"\(32, 40\)",
+                 id="transposed"),
+    pytest.param(lambda w: w.astype(np.float64), TypeError, "float32", id="float64"),
+    pytest.param(_read_only, ValueError, "writable", id="read_only"),
+])
+def test_refused_merge_touches_nothing(three, rng, op, spoil, exc, match):
+    """The last key in sorted order, (2, "o_proj") of shape (32, 40), is spoiled: the
+    earlier keys must not have been written."""
     adapter = three[1]
     weights, _ = base_weights(rng, adapter)
     last = sorted(adapter.layers)[-1]
-    weights[last] = weights[last].astype(np.float64)
+    if spoil is None:
+        del weights[last]
+    else:
+        weights[last] = spoil(weights[last])
     snapshot = {k: v.copy() for k, v in weights.items()}
-    with pytest.raises(TypeError, match="float32"):
-        adapter.merge_into(weights)
-    assert _untouched(weights, snapshot)
-
-
-def test_merge_read_only_touches_nothing(three, rng):
-    adapter = three[1]
-    weights, _ = base_weights(rng, adapter)
-    last = sorted(adapter.layers)[-1]
-    weights[last].flags.writeable = False
-    snapshot = {k: v.copy() for k, v in weights.items()}
-    with pytest.raises(ValueError, match="writable"):
-        adapter.merge_into(weights)
+    with pytest.raises(exc, match=match):
+        getattr(adapter, op)(weights)
     assert _untouched(weights, snapshot)
 
 
