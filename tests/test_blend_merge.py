@@ -137,7 +137,7 @@ def test_blend_zero_weight(three):
     assert float(np.max(np.abs(blended.delta_weight(*key)))) == 0.0
 
 
-def test_blend_is_a_usable_adapter(three):
+def test_blend_result_pickles(three):
     import pickle
     blended = blend([(a, 1.0) for a in three])
     again = pickle.loads(pickle.dumps(blended))
@@ -164,9 +164,9 @@ def test_blend_refuses_mismatched_shapes(rng):
 
 
 def test_blend_refuses_non_adapters(three):
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="item 0: expected a LoraAdapter, got object"):
         blend([(object(), 1.0)])
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"item 0 must be an \(adapter, weight\) pair"):
         blend([three[0]])
 
 
