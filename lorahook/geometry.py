@@ -153,6 +153,17 @@ def _positive_int(value: Any, field: str, where: str) -> int:
     return value
 
 
+def _required_positive_int(values: Mapping, name: str, prefix: str, where: str) -> int:
+    """``values[name]`` as a positive ``int``; a missing or ``None`` entry is an error."""
+    value = values.get(name)
+    if value is None:
+        raise LoraValidationError(
+            f"{where}: required field '{prefix}{name}' is missing; lorahook does not guess "
+            f"model sizes"
+        )
+    return _positive_int(value, prefix + name, where)
+
+
 def _bool(value: Any, field: str, where: str) -> bool:
     if not isinstance(value, bool):
         raise LoraValidationError(
@@ -241,23 +252,20 @@ def _interval_layer_types(num_hidden_layers: int, interval: int) -> Tuple[str, .
     )
 
 
-def _validated_qwen35_fields(values: Mapping, prefix: str, where: str) -> dict:
+def _validated_qwen35_fields(
+    values: Mapping, prefix: str, where: str, is_moe: Optional[bool] = None
+) -> dict:
     """Check and normalize the constructor arguments of :class:`Qwen35Config`.
 
     ``values`` holds every constructor argument (``None`` for "not given"). ``prefix``
     is prepended to field names in messages (``"text_config."`` for the nested form).
-    Returns a new dict of normalized values.
+    ``is_moe`` says whether the model is a mixture of experts; ``None`` infers it from
+    whether ``num_experts`` is given. Returns a new dict of normalized values.
     """
     out: dict = {}
 
     def required(name: str) -> int:
-        value = values.get(name)
-        if value is None:
-            raise LoraValidationError(
-                f"{where}: required field '{prefix}{name}' is missing; lorahook does not "
-                f"guess model sizes"
-            )
-        return _positive_int(value, prefix + name, where)
+        return _required_positive_int(values, name, prefix, where)
 
     for name in _QWEN35_CORE_FIELDS:
         out[name] = required(name)
@@ -275,7 +283,8 @@ def _validated_qwen35_fields(values: Mapping, prefix: str, where: str) -> dict:
             f"'{prefix}linear_num_key_heads' ({out['linear_num_key_heads']})"
         )
 
-    is_moe = values.get("num_experts") is not None
+    if is_moe is None:
+        is_moe = values.get("num_experts") is not None
     if is_moe:
         for name in _QWEN35_MOE_FIELDS:
             out[name] = required(name)
@@ -437,11 +446,6 @@ class Qwen35Config:
         if is_moe:
             for name in _QWEN35_MOE_FIELDS:
                 values[name] = text.get(name)
-            if values["num_experts"] is None:
-                raise LoraValidationError(
-                    f"{where}: required field '{prefix}num_experts' is missing; "
-                    f"lorahook does not guess model sizes"
-                )
             # A dense ``intermediate_size`` in a MoE file describes no layer; ignore it.
         else:
             values["intermediate_size"] = text.get("intermediate_size")
@@ -452,7 +456,7 @@ class Qwen35Config:
             tie = text.get("tie_word_embeddings")
         values["tie_word_embeddings"] = tie
 
-        normalized = _validated_qwen35_fields(values, prefix, where)
+        normalized = _validated_qwen35_fields(values, prefix, where, is_moe)
         return cls(**normalized)
 
     @classmethod
@@ -636,16 +640,12 @@ class BertConfig:
             raise LoraValidationError(
                 f"{where}: field 'model_type' must be 'bert', found {_describe(model_type)}"
             )
-        values = {}
-        for name in ("num_hidden_layers", "hidden_size", "intermediate_size"):
-            value = config.get(name)
-            if value is None:
-                raise LoraValidationError(
-                    f"{where}: required field '{name}' is missing; lorahook does not guess "
-                    f"model sizes"
-                )
-            values[name] = _positive_int(value, name, where)
-        return cls(**values)
+        return cls(
+            **{
+                name: _required_positive_int(config, name, "", where)
+                for name in ("num_hidden_layers", "hidden_size", "intermediate_size")
+            }
+        )
 
     @classmethod
     def from_json(cls, path: "str | os.PathLike") -> "BertConfig":
