@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-import lorahook
 from lorahook import LoraAdapter, LoraHook, LoraLayer, apply_lora_rows
 from lorahook import _rows
 
@@ -36,6 +35,7 @@ def crossover(n):
         _rows.set_gemm_crossover(old)
 
 
+CROSSOVER_AT_IMPORT = _rows.get_gemm_crossover()
 PATHS = {"default": None, "row_loop": 2**30, "batched": 1}
 
 
@@ -405,6 +405,6 @@ def test_batches_larger_than_one_scratch_chunk(grouped):
             run_and_check(adapter, LAYER, MODULE, x, y, ref_delta(layer, x), True, False, True)
 
 
-def test_default_crossover_restored():
-    assert _rows.get_gemm_crossover() >= 1
-    assert isinstance(lorahook.DEBUG_BUILD, bool)
+def test_crossover_restored():
+    """The tests above leave the crossover as this module found it."""
+    assert _rows.get_gemm_crossover() == CROSSOVER_AT_IMPORT
