@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from lorahook import LoraAdapter, LoraHook, LoraLayer, apply_lora_rows
+from lorahook import AdapterSet, LoraAdapter, LoraHook, LoraLayer, apply_lora_rows
 from lorahook import _rows
 
 MODULE = "q_proj"
@@ -305,10 +305,6 @@ def test_apply_groups_matches_reference(case, two_d, path, seed):
 # --------------------------------------------------------------------------- AdapterSet.bind
 
 
-def _serving():
-    return pytest.importorskip("lorahook.serving", reason="lorahook.serving is not available")
-
-
 @st.composite
 def bound_cases(draw):
     d_in, d_out, _, n = draw(shapes())
@@ -333,10 +329,9 @@ def bound_cases(draw):
 @given(case=bound_cases(), two_d_in=st.booleans(), two_d_out=st.booleans(),
        path=st.sampled_from(sorted(PATHS)), seed=st.integers(0, 2**32 - 1))
 def test_bound_batch_matches_reference(case, two_d_in, two_d_out, path, seed):
-    serving = _serving()
     d_in, d_out, n, names, ranks, row_names, scales, layer_scales, biases = case
     rng = np.random.default_rng(seed)
-    aset = serving.AdapterSet()
+    aset = AdapterSet()
     layers = {}
     for name, rank, ls, bias in zip(names, ranks, layer_scales, biases):
         layers[name] = make_layer(rng, d_in, d_out, rank, ls, bias)
