@@ -97,6 +97,10 @@ _FLAT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 _NESTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 _QWEN35_MODEL_TYPES = _FLAT_MODEL_TYPES + _NESTED_MODEL_TYPES
 
+_ATTENTION_MODULES = {
+    FULL_ATTENTION: QWEN35_FULL_ATTENTION_MODULES,
+    LINEAR_ATTENTION: QWEN35_LINEAR_ATTENTION_MODULES,
+}
 _LAYER_TYPE_DESCRIPTION = {
     FULL_ATTENTION: "full-attention",
     LINEAR_ATTENTION: "linear-attention (Gated DeltaNet)",
@@ -521,10 +525,7 @@ class Qwen35Config:
 
     def modules_for_layer(self, layer_idx: int) -> Tuple[str, ...]:
         """The module names addressable on layer ``layer_idx``."""
-        if self.is_full_attention(layer_idx):
-            attention = QWEN35_FULL_ATTENTION_MODULES
-        else:
-            attention = QWEN35_LINEAR_ATTENTION_MODULES
+        attention = _ATTENTION_MODULES[self.layer_type(layer_idx)]
         return attention if self.is_moe else attention + QWEN35_MLP_MODULES
 
     def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
@@ -562,15 +563,10 @@ class Qwen35Config:
         layer_type = self.layer_types[layer_idx]
         wanted = FULL_ATTENTION if module in QWEN35_FULL_ATTENTION_MODULES else LINEAR_ATTENTION
         if layer_type != wanted:
-            own = (
-                QWEN35_FULL_ATTENTION_MODULES
-                if layer_type == FULL_ATTENTION
-                else QWEN35_LINEAR_ATTENTION_MODULES
-            )
             raise LoraValidationError(
                 f"{head}: {module} is a {_LAYER_TYPE_DESCRIPTION[wanted]} projection, but "
                 f"layer {layer_idx} is a {_LAYER_TYPE_DESCRIPTION[layer_type]} layer, whose "
-                f"attention modules are {', '.join(own)}"
+                f"attention modules are {', '.join(_ATTENTION_MODULES[layer_type])}"
             )
 
         h = self.head_dim
