@@ -188,14 +188,16 @@ def test_large_groups_random_layouts(kernel_path):
 
 
 def test_grouped_matches_single_adapter_per_row(served):
-    # every row equals that adapter applied alone (scaled) to that row
+    # every row equals the float64 reference and that adapter applied alone (scaled) to that row
     aset, adapters = served
     rng = np.random.default_rng(6)
     names = ["alpha", "gamma", "alpha", None, "alpha"]
+    factors = [1.0, 2.0, -1.0, 5.0, 0.5]
     x, out0 = random_batch(rng, 5)
     out = out0.copy()
-    apply_lora_rows(aset.bind(names, [1.0, 2.0, -1.0, 5.0, 0.5]), 0, "v", x, out, D_IN, D_OUT)
-    for i, (name, f) in enumerate(zip(names, [1.0, 2.0, -1.0, 5.0, 0.5])):
+    apply_lora_rows(aset.bind(names, factors), 0, "v", x, out, D_IN, D_OUT)
+    assert_close(out, reference(adapters, (0, "v"), names, factors, x, out0))
+    for i, (name, f) in enumerate(zip(names, factors)):
         single = out0[i].copy()
         if name is not None:
             apply_lora_rows(adapters[name].scaled(f), 0, "v", x[i], single, D_IN, D_OUT)
