@@ -372,9 +372,11 @@ def test_row_count_mismatch_raises_before_writes(served):
 
 def test_width_mismatch_raises_before_any_write():
     rng = np.random.default_rng(14)
+    adapters = {"ok": LoraAdapter({(0, "q"): make_layer(rng, 4, 24, 40)}),
+                "wide": LoraAdapter({(0, "q"): make_layer(rng, 4, 24, 41)})}
     aset = AdapterSet()
-    aset.add("ok", LoraAdapter({(0, "q"): make_layer(rng, 4, 24, 40)}))
-    aset.add("wide", LoraAdapter({(0, "q"): make_layer(rng, 4, 24, 41)}))
+    for name, ad in adapters.items():
+        aset.add(name, ad)
     names = ["ok", "ok", "wide"]
     x, out0 = random_batch(rng, 3)
     out = out0.copy()
@@ -384,6 +386,8 @@ def test_width_mismatch_raises_before_any_write():
     assert out.tobytes() == out0.tobytes()
     # a row-scale of zero switches the misfit off for this batch
     apply_lora_rows(aset.bind(names, {"wide": 0.0}), 0, "q", x, out, D_IN, D_OUT)
+    assert_close(out, reference(adapters, (0, "q"), ["ok", "ok", None], [1.0] * 3, x, out0))
+    assert out[2].tobytes() == out0[2].tobytes()
 
 
 # --- snapshots and hot swap ------------------------------------------------------
