@@ -35,6 +35,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .errors import LoraFormatError, LoraValidationError
+from .geometry import (
+    QWEN35_FULL_ATTENTION_MODULES,
+    QWEN35_LINEAR_ATTENTION_MODULES,
+    QWEN35_MLP_MODULES,
+)
 
 __all__ = ["load_peft", "load_safetensors", "save_peft", "ARCHITECTURES", "MAX_HEADER_BYTES"]
 
@@ -69,9 +74,9 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # --------------------------------------------------------------------------------------------
 
 _QWEN_GROUPS = {
-    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "linear_attn": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
-    "mlp": ("gate_proj", "up_proj", "down_proj"),
+    "self_attn": QWEN35_FULL_ATTENTION_MODULES,
+    "linear_attn": QWEN35_LINEAR_ATTENTION_MODULES,
+    "mlp": QWEN35_MLP_MODULES,
 }
 _QWEN_MODULE_GROUP = {m: g for g, ms in _QWEN_GROUPS.items() for m in ms}
 _QWEN_RE = re.compile(r"^model\.(?:language_model\.)?layers\.(\d{1,9})\.(self_attn|linear_attn|mlp)\.(\w+)$")
