@@ -8,20 +8,17 @@ import sys
 import numpy as np
 import pytest
 
-import lorahook
 from lorahook import LoraAdapter, LoraLayer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(HERE, "data", "configs")
 QWEN_08B = os.path.join(CONFIGS, "qwen3_5_0_8b.json")
 BERT = os.path.join(CONFIGS, "bert_base_uncased.json")
-# Run the same lorahook these tests import (source tree or installed).
-IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(lorahook.__file__)))
 
 
 def _env():
+    # PYTHONPATH already names the lorahook these tests import (tests/conftest.py)
     env = dict(os.environ)
-    env["PYTHONPATH"] = IMPORT_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     return env
 
