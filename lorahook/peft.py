@@ -295,14 +295,19 @@ def _to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
     return widened.view(np.float32)
 
 
-def read_safetensors(path: os.PathLike, names=None) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
+def read_safetensors(
+    path: os.PathLike, names=None, header: Optional[tuple] = None
+) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
     """Read float tensors from a safetensors file as float32 arrays.
 
     ``names`` restricts which tensors are read (all by default). Only F32, F16 and BF16 are
     supported; others raise :class:`LoraFormatError`. The header is validated first (see
-    :func:`read_safetensors_header`), so no allocation follows from sizes the file cannot back.
+    :func:`read_safetensors_header`), so no allocation follows from sizes the file cannot back;
+    ``header`` is what that function already returned for ``path``, to avoid parsing it again.
     """
-    tensors, metadata, data_start, file_size = read_safetensors_header(path)
+    if header is None:
+        header = read_safetensors_header(path)
+    tensors, metadata, data_start, file_size = header
     wanted = list(tensors) if names is None else list(names)
     for name in wanted:
         if tensors[name]["dtype"] not in _SUPPORTED_DTYPES:
@@ -314,6 +319,8 @@ def read_safetensors(path: os.PathLike, names=None) -> Tuple[Dict[str, np.ndarra
     if not wanted:
         return out, metadata
     with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size != file_size:
+            raise LoraFormatError(f"{path}: the file changed size while it was being read")
         if file_size == data_start:  # only empty tensors; nothing to map
             for name in wanted:
                 out[name] = np.zeros(tensors[name]["shape"], dtype=np.float32)
@@ -661,16 +668,17 @@ def _check_factor_shapes(file_tensors: Mapping[str, dict], entry: dict, where: s
 
 def _build(
     weights_path: Path,
-    file_tensors: Mapping[str, dict],
+    header: tuple,
     entries: Mapping[Tuple[int, str], dict],
     scales: Mapping[Tuple[int, str], float],
     name: Optional[str],
     metadata: Dict[str, str],
 ):
+    """The adapter from ``entries``, reading their tensors with the already parsed ``header``."""
     from .adapter import LoraAdapter, LoraLayer
 
     wanted = [n for e in entries.values() for n in (e["A"], e["B"], e.get("bias")) if n is not None]
-    arrays, _ = read_safetensors(weights_path, wanted)
+    arrays, _ = read_safetensors(weights_path, wanted, header)
     for n in wanted:
         if not np.isfinite(arrays[n]).all():
             bad = int((~np.isfinite(arrays[n])).sum())
@@ -740,7 +748,8 @@ def load_peft(path: os.PathLike):
         raise LoraFormatError(f"{config_path}: not valid JSON: {exc!r}"[:500]) from None
     config = _Config(raw, str(config_path))
 
-    file_tensors, file_meta, _, _ = read_safetensors_header(weights_path)
+    header = read_safetensors_header(weights_path)
+    file_tensors, file_meta = header[:2]
     where = str(weights_path)
     entries = _parse_tensors(file_tensors, where, ignore_velora=config.velora)
     scales = {}
@@ -773,7 +782,7 @@ def load_peft(path: os.PathLike):
     if config.revision and "revision" not in metadata and isinstance(config.revision, str):
         metadata["revision"] = config.revision
     name = metadata.get("name") or directory.resolve().name or None
-    return _build(weights_path, file_tensors, entries, scales, name, metadata)
+    return _build(weights_path, header, entries, scales, name, metadata)
 
 
 def load_safetensors(path: os.PathLike, alpha: Optional[float] = None):
@@ -790,7 +799,8 @@ def load_safetensors(path: os.PathLike, alpha: Optional[float] = None):
     if weights_path.is_dir():
         raise LoraFormatError(f"{weights_path}: is a directory; for a PEFT adapter directory use LoraAdapter.from_peft")
     where = str(weights_path)
-    file_tensors, file_meta, _, _ = read_safetensors_header(weights_path)
+    header = read_safetensors_header(weights_path)
+    file_tensors, file_meta = header[:2]
     if alpha is not None:
         alpha = _number(alpha, "alpha", where)
     else:
@@ -817,7 +827,7 @@ def load_safetensors(path: os.PathLike, alpha: Optional[float] = None):
             scales[key] = _check_scale(scale, f"module {entry['path']!r}: alpha={_short(alpha)} with rank {rank}", where)
     metadata = _file_metadata(file_meta)
     name = metadata.get("name") or weights_path.stem
-    return _build(weights_path, file_tensors, entries, scales, name, metadata)
+    return _build(weights_path, header, entries, scales, name, metadata)
 
 
 def _json_number(x: float):

@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from lorahook import LoraAdapter, LoraFormatError, LoraLayer, LoraValidationError
-from lorahook.peft import load_peft, read_safetensors_header, save_peft
+from lorahook.peft import load_peft, read_safetensors, read_safetensors_header, save_peft
 
 PREFIX = "base_model.model."
 Q3 = "model.layers.3.self_attn.q_proj"
@@ -581,6 +581,14 @@ def test_header_helper_reports_metadata(tmp_path, standard):
     d = write_dir(tmp_path / "ad", standard[0], base_config(), {"format": "pt", "k": "v"})
     tensors, meta, start, size = read_safetensors_header(d / "adapter_model.safetensors")
     assert meta == {"format": "pt", "k": "v"} and len(tensors) == 8 and start < size
+
+
+def test_file_truncated_after_its_header_was_read(tmp_path, standard):
+    f = write_dir(tmp_path / "ad", standard[0], base_config()) / "adapter_model.safetensors"
+    header = read_safetensors_header(f)
+    f.write_bytes(f.read_bytes()[:-16])
+    with pytest.raises(LoraFormatError, match="changed size"):
+        read_safetensors(f, header=header)
 
 
 # ----------------------------------------------------------------------------- bare safetensors
