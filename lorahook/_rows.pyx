@@ -289,8 +289,12 @@ cdef Py_ssize_t _row_count(cnp.ndarray a, Py_ssize_t width, str name, str wname)
 
 
 cdef Py_ssize_t _check_call(object input, object output, object input_row_width,
-                            object output_row_width) except -1:
-    """The spec's call checks in order; returns the row count."""
+                            object output_row_width, Py_ssize_t *widths=NULL) except -1:
+    """The spec's call checks in order; returns the row count.
+
+    ``widths``, when given, receives ``(input_row_width, output_row_width)``
+    as checked ints.
+    """
     _check_type(input, "input")
     _check_type(output, "output")
     cdef cnp.ndarray x = <cnp.ndarray>input
@@ -311,6 +315,9 @@ cdef Py_ssize_t _check_call(object input, object output, object input_row_width,
     cdef Py_ssize_t yb = n_out * d_out * <Py_ssize_t>sizeof(float)
     if xb > 0 and yb > 0 and xs < ys + yb and ys < xs + xb:
         raise ValueError("input and output must not overlap in memory, got overlapping buffers")
+    if widths != NULL:
+        widths[0] = d_in
+        widths[1] = d_out
     return n_in
 
 
@@ -335,7 +342,8 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, out
     """
     if _hook_base is None or not isinstance(hook, _hook_base):
         raise TypeError(f"hook must be a lorahook.LoraHook, got {type(hook).__name__}")
-    cdef Py_ssize_t n = _check_call(input, output, input_row_width, output_row_width)
+    cdef Py_ssize_t widths[2]
+    cdef Py_ssize_t n = _check_call(input, output, input_row_width, output_row_width, widths)
     bound = hook._bound_rows
     if bound is not None and bound != n:
         raise ValueError(
@@ -346,12 +354,24 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, out
         raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
     if type(module) is not str:
         raise TypeError(f"module must be a str, got {type(module).__name__}")
-    if not hook.is_active(layer_idx, module):
+    cdef LayerKernel kernel
+    if hook._fused:
+        # A LoraAdapter whose hook methods are its own: its is_active is
+        # "the key has a kernel", so one lookup answers it and gives the
+        # kernel, and the buffers checked above go straight to the core.
+        found = (<dict>hook._kernels).get((layer_idx, module))
+        if found is None or n == 0:
+            return
+        kernel = <LayerKernel>found
+        if kernel.d_in == widths[0] and kernel.d_out == widths[1]:
+            _run_layer(kernel, <cnp.ndarray>input, <cnp.ndarray>output, n)
+            return
+        # a width mismatch: the adapter's own path raises the precise error
+    elif not hook.is_active(layer_idx, module):
         return
     if n == 0:
         return
-    hook._apply_rows(layer_idx, module, input, output,
-                     operator.index(input_row_width), operator.index(output_row_width), n)
+    hook._apply_rows(layer_idx, module, input, output, widths[0], widths[1], n)
 
 
 # ---------------------------------------------------------------------------
@@ -717,8 +737,12 @@ cdef inline cnp.ndarray _checked_rows_buffer(object arr, Py_ssize_t n, Py_ssize_
 
 def apply_layer(LayerKernel layer not None, input, output, Py_ssize_t n_rows):
     """Add one layer's delta to ``n_rows`` rows (widths are the layer's)."""
-    cdef cnp.ndarray x = _checked_rows_buffer(input, n_rows, layer.d_in, "input", False)
-    cdef cnp.ndarray y = _checked_rows_buffer(output, n_rows, layer.d_out, "output", True)
+    _run_layer(layer, _checked_rows_buffer(input, n_rows, layer.d_in, "input", False),
+               _checked_rows_buffer(output, n_rows, layer.d_out, "output", True), n_rows)
+
+
+cdef int _run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_rows) except -1:
+    """The kernel on buffers already checked to hold ``n_rows`` rows of the layer's widths."""
     cdef Segment seg
     layer.fill(&seg)
     seg.n_rows = n_rows
@@ -733,6 +757,134 @@ def apply_layer(LayerKernel layer not None, input, output, Py_ssize_t n_rows):
         lorahook_leave()
     if rc != 0:
         raise MemoryError("lorahook could not allocate its scratch buffer")
+    return 0
+
+
+cdef object _private_vector(object obj, int typenum, object dtype, Py_ssize_t g, str what,
+                            str kind):
+    """A private C-contiguous copy of a 1-D array of ``typenum``, or ``None`` for ``None``."""
+    if obj is None:
+        return None
+    cdef cnp.ndarray arr = <cnp.ndarray?>obj
+    if (cnp.PyArray_TYPE(arr) != typenum or cnp.PyArray_NDIM(arr) != 1
+            or not cnp.PyArray_ISNOTSWAPPED(arr)):
+        raise TypeError(f"group {g}: {what} must be a 1-D {kind} array in native byte order")
+    return np.array(arr, dtype=dtype, order="C", copy=True, subok=False)
+
+
+@cython.final
+cdef class GroupPlan:
+    """The groups of one grouped projection, checked and copied once.
+
+    ``GroupPlan(groups, n_rows, d_in, d_out)`` takes the ``groups`` list
+    :func:`apply_groups` takes.  Every group is unpacked, converted and copied
+    into arrays only the plan holds, then checked; :meth:`apply` then runs
+    the kernels on a batch with no further work per group.  A plan is
+    immutable and may be applied from several threads at once.
+    """
+    cdef object _owned        # the private copies the segments point into
+    cdef object _segs_obj     # bytearray of Segment
+    cdef Segment *_segs
+    cdef Py_ssize_t _ng
+    cdef readonly Py_ssize_t n_rows
+    cdef readonly int d_in
+    cdef readonly int d_out
+    cdef bint _disjoint
+
+    def __cinit__(self, list groups not None, Py_ssize_t n_rows, Py_ssize_t d_in, Py_ssize_t d_out):
+        cdef Py_ssize_t g, m, i
+        cdef LayerKernel layer
+        cdef cnp.ndarray rows
+        cdef const int *rp
+        if n_rows < 0 or d_in < 1 or d_out < 1 or d_in > INT_MAX or d_out > INT_MAX:
+            raise ValueError(f"n_rows must be >= 0 and widths in [1, {INT_MAX}], "
+                             f"got ({n_rows}, {d_in}, {d_out})")
+        self.n_rows = n_rows
+        self.d_in = <int>d_in
+        self.d_out = <int>d_out
+        # First pass: everything that can run Python code (unpacking,
+        # __float__, copies) happens here, into objects only the plan holds.
+        # The second pass then checks and points at those private copies, so
+        # nothing done by other code -- in a callback or in another thread
+        # once the GIL is released -- can move an index or free an array the
+        # kernel uses.
+        owned = []
+        for g, item in enumerate(tuple(groups)):
+            layer_obj, scale, rows_obj, rs_obj = item
+            if not isinstance(layer_obj, LayerKernel):
+                raise TypeError(f"group {g}: expected a LayerKernel, got {type(layer_obj).__name__}")
+            owned.append((layer_obj, float(scale),
+                          _private_vector(rows_obj, cnp.NPY_INT32, np.int32, g, "rows", "int32"),
+                          _private_vector(rs_obj, cnp.NPY_FLOAT32, np.float32, g, "row_scales",
+                                          "float32")))
+        self._owned = owned
+        self._ng = len(owned)
+        self._segs_obj = bytearray(self._ng * sizeof(Segment))
+        self._segs = <Segment *><char *>self._segs_obj
+        # which rows some group already claimed: groups on disjoint rows may
+        # run on several threads at once
+        claimed_obj = bytearray(n_rows)
+        cdef unsigned char *claimed = <unsigned char *><char *>claimed_obj
+        cdef Segment *seg
+        self._disjoint = True
+        for g in range(self._ng):
+            layer, scale, rows_obj, rs_obj = owned[g]
+            if layer.d_in != d_in or layer.d_out != d_out:
+                raise ValueError(
+                    f"group {g}: layer shape (d_in, d_out) = ({layer.d_in}, {layer.d_out}) "
+                    f"does not match the call's ({d_in}, {d_out})")
+            seg = &self._segs[g]
+            layer.fill(seg)
+            seg.scale = <float>scale
+            if rows_obj is None:
+                seg.n_rows = n_rows
+                m = n_rows
+                self._disjoint = self._disjoint and self._ng == 1
+            else:
+                rows = <cnp.ndarray>rows_obj
+                m = cnp.PyArray_DIM(rows, 0)
+                rp = <const int *>cnp.PyArray_DATA(rows)
+                for i in range(m):
+                    if rp[i] < 0 or rp[i] >= n_rows or (i > 0 and rp[i] <= rp[i - 1]):
+                        raise ValueError(
+                            f"group {g}: rows must be strictly ascending indices in [0, {n_rows})")
+                    if claimed[rp[i]]:
+                        self._disjoint = False
+                    claimed[rp[i]] = 1
+                seg.rows = rp
+                seg.n_rows = m
+            if rs_obj is not None:
+                if cnp.PyArray_DIM(<cnp.ndarray>rs_obj, 0) != m:
+                    raise TypeError(f"group {g}: row_scales must be a 1-D float32 array of {m} values")
+                seg.row_scales = <const float *>cnp.PyArray_DATA(<cnp.ndarray>rs_obj)
+
+    def __reduce__(self):
+        raise TypeError("GroupPlan belongs to one process and does not pickle")
+
+    def apply(self, input, output):
+        """Add every group's delta to the plan's ``n_rows`` rows of ``output`` in place."""
+        self._run(_checked_rows_buffer(input, self.n_rows, self.d_in, "input", False),
+                  _checked_rows_buffer(output, self.n_rows, self.d_out, "output", True))
+
+    cdef int _run(self, cnp.ndarray x, cnp.ndarray y) except -1:
+        if self._ng == 0 or self.n_rows == 0:
+            return 0
+        # work items are per call, so concurrent calls of one plan share nothing
+        items_obj = bytearray(self._ng * _MAX_CHUNKS * sizeof(WorkItem))
+        cdef WorkItem *items = <WorkItem *><char *>items_obj
+        cdef const float *X = <const float *>cnp.PyArray_DATA(x)
+        cdef float *Y = <float *>cnp.PyArray_DATA(y)
+        cdef int rc
+        cdef Plan plan
+        _plan(&plan)
+        with nogil:
+            lorahook_enter()
+            rc = _run_groups(self._segs, self._ng, self._disjoint, items, X, Y,
+                             self.d_in, self.d_out, &plan)
+            lorahook_leave()
+        if rc != 0:
+            raise MemoryError("lorahook could not allocate its scratch buffer")
+        return 0
 
 
 def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
@@ -743,90 +895,10 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
     an int32 array of strictly ascending row indices in ``[0, n_rows)`` (or
     ``None`` for every row), ``row_scales`` a float32 array with one scale per
     entry of ``rows`` (or ``None`` to use ``scale`` for all of them).  Rows
-    that no group names are never written.
+    that no group names are never written.  The same as
+    ``GroupPlan(groups, n_rows, d_in, d_out).apply(input, output)``, with the
+    buffers checked first.
     """
     cdef cnp.ndarray x = _checked_rows_buffer(input, n_rows, d_in, "input", False)
     cdef cnp.ndarray y = _checked_rows_buffer(output, n_rows, d_out, "output", True)
-    cdef Py_ssize_t g, m, i, ng
-    cdef LayerKernel layer
-    cdef cnp.ndarray rows, rs
-    cdef const int *rp
-    # First pass: everything that can run Python code (unpacking, __float__,
-    # copies) happens here, into objects only this call holds.  The second
-    # pass then checks and points at those private copies, so nothing done
-    # by other code -- in a callback or in another thread once the GIL is
-    # released -- can move an index or free an array the kernel uses.
-    owned = []
-    for g, item in enumerate(tuple(groups)):
-        layer_obj, scale, rows_obj, rs_obj = item
-        if not isinstance(layer_obj, LayerKernel):
-            raise TypeError(f"group {g}: expected a LayerKernel, got {type(layer_obj).__name__}")
-        scale = float(scale)
-        if rows_obj is not None:
-            rows = <cnp.ndarray?>rows_obj
-            if (cnp.PyArray_TYPE(rows) != cnp.NPY_INT32 or cnp.PyArray_NDIM(rows) != 1
-                    or not cnp.PyArray_ISNOTSWAPPED(rows)):
-                raise TypeError(f"group {g}: rows must be a 1-D int32 array in native byte order")
-            rows_obj = np.array(rows, dtype=np.int32, order="C", copy=True, subok=False)
-        if rs_obj is not None:
-            rs = <cnp.ndarray?>rs_obj
-            if (cnp.PyArray_TYPE(rs) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(rs) != 1
-                    or not cnp.PyArray_ISNOTSWAPPED(rs)):
-                raise TypeError(f"group {g}: row_scales must be a 1-D float32 array in native byte order")
-            rs_obj = np.array(rs, dtype=np.float32, order="C", copy=True, subok=False)
-        owned.append((layer_obj, scale, rows_obj, rs_obj))
-    ng = len(owned)
-    if ng == 0 or n_rows == 0:
-        return
-    segs_obj = bytearray(ng * sizeof(Segment))
-    cdef Segment *segs = <Segment *><char *>segs_obj
-    items_obj = bytearray(ng * _MAX_CHUNKS * sizeof(WorkItem))
-    cdef WorkItem *items = <WorkItem *><char *>items_obj
-    # which rows some group already claimed: groups on disjoint rows may run
-    # on several threads at once
-    claimed_obj = bytearray(n_rows)
-    cdef unsigned char *claimed = <unsigned char *><char *>claimed_obj
-    cdef bint disjoint = True
-    for g in range(ng):
-        layer, scale, rows_obj, rs_obj = owned[g]
-        if layer.d_in != d_in or layer.d_out != d_out:
-            raise ValueError(
-                f"group {g}: layer shape (d_in, d_out) = ({layer.d_in}, {layer.d_out}) "
-                f"does not match the call's ({d_in}, {d_out})")
-        layer.fill(&segs[g])
-        segs[g].scale = <float>scale
-        if rows_obj is None:
-            segs[g].n_rows = n_rows
-            m = n_rows
-            disjoint = disjoint and ng == 1
-        else:
-            rows = <cnp.ndarray>rows_obj
-            m = cnp.PyArray_DIM(rows, 0)
-            rp = <const int *>cnp.PyArray_DATA(rows)
-            for i in range(m):
-                if rp[i] < 0 or rp[i] >= n_rows or (i > 0 and rp[i] <= rp[i - 1]):
-                    raise ValueError(
-                        f"group {g}: rows must be strictly ascending indices in [0, {n_rows})")
-                if claimed[rp[i]]:
-                    disjoint = False
-                claimed[rp[i]] = 1
-            segs[g].rows = rp
-            segs[g].n_rows = m
-        if rs_obj is not None:
-            rs = <cnp.ndarray>rs_obj
-            if cnp.PyArray_DIM(rs, 0) != m:
-                raise TypeError(f"group {g}: row_scales must be a 1-D float32 array of {m} values")
-            segs[g].row_scales = <const float *>cnp.PyArray_DATA(rs)
-    cdef const float *X = <const float *>cnp.PyArray_DATA(x)
-    cdef float *Y = <float *>cnp.PyArray_DATA(y)
-    cdef int rc = 0
-    cdef int di = <int>d_in
-    cdef int do = <int>d_out
-    cdef Plan plan
-    _plan(&plan)
-    with nogil:
-        lorahook_enter()
-        rc = _run_groups(segs, ng, disjoint, items, X, Y, di, do, &plan)
-        lorahook_leave()
-    if rc != 0:
-        raise MemoryError("lorahook could not allocate its scratch buffer")
+    (<GroupPlan>GroupPlan(groups, n_rows, d_in, d_out))._run(x, y)

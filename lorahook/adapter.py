@@ -173,14 +173,19 @@ class LoraAdapter(LoraHook):
     :meth:`save_peft` writes an adapter back where it came from.
     """
 
-    __slots__ = ("_layers", "_name", "_metadata", "_module_paths", "_view")
+    __slots__ = ("_layers", "_name", "_metadata", "_module_paths", "_view", "_kernels")
 
     # Subclasses that override apply() are served by the generic row loop.
     _native = True
+    # With is_active and _apply_rows also its own, apply_lora_rows looks the
+    # kernel up in _kernels itself (one lookup, no second buffer check).
+    _fused = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._native = cls.apply is LoraAdapter.apply
+        cls._fused = (cls._native and cls.is_active is LoraAdapter.is_active
+                      and cls._apply_rows is LoraAdapter._apply_rows)
 
     def __init__(self, layers, name=None, metadata=None, *, module_paths=None):
         checked = {}
@@ -202,6 +207,9 @@ class LoraAdapter(LoraHook):
                 raise TypeError(f"module path for {key!r} must be a str, got {type(path).__name__}")
             paths[key] = path
         object.__setattr__(self, "_layers", checked)
+        # the kernels of the keys is_active is true for (rank > 0)
+        object.__setattr__(self, "_kernels", {key: layer._kernel for key, layer in checked.items()
+                                              if layer.rank > 0})
         object.__setattr__(self, "_view", MappingProxyType(checked))
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_metadata", _str_mapping(metadata, "metadata"))
@@ -217,8 +225,7 @@ class LoraAdapter(LoraHook):
     # --- the hook contract -------------------------------------------------
 
     def is_active(self, layer_idx, module):
-        layer = self._layers.get((layer_idx, module))
-        return layer is not None and layer.rank > 0
+        return (layer_idx, module) in self._kernels
 
     def _layer_for_call(self, layer_idx, module, d_in, d_out):
         layer = self._layers.get((layer_idx, module))

@@ -26,6 +26,9 @@ class LoraHook(ABC):
     #: Row count a batch-bound hook was made for (``None``: any batch).
     _bound_rows = None
 
+    #: True for hooks whose kernels the core may look up itself (``_kernels``).
+    _fused = False
+
     @abstractmethod
     def apply(self, layer_idx, module, x, output):
         """Add this hook's delta for one row of projection ``(layer_idx, module)``."""
