@@ -355,7 +355,7 @@ class BoundBatch(LoraHook):
     It has no meaning for a lone row: :meth:`apply` raises ``TypeError``.
     """
 
-    __slots__ = ("_bound_rows", "_row_adapters", "_plans", "_cache")
+    __slots__ = ("_bound_rows", "_row_adapters", "_plans", "_cache", "_group_plans")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("BoundBatch is made by AdapterSet.bind, not constructed directly")
@@ -369,6 +369,9 @@ class BoundBatch(LoraHook):
         object.__setattr__(self, "_plans", plans)
         # (layer_idx, module) -> tuple of (name, layer, group); filled on first use
         object.__setattr__(self, "_cache", {})
+        # (layer_idx, module) -> the compiled GroupPlan of those groups; made
+        # on the first call whose widths fit, so later calls only run kernels
+        object.__setattr__(self, "_group_plans", {})
         return self
 
     def __setattr__(self, name, value):
@@ -423,18 +426,24 @@ class BoundBatch(LoraHook):
 
     def _apply_rows(self, layer_idx, module, input, output, input_row_width,
                     output_row_width, n_rows):
-        covering = self._covering(layer_idx, module)
-        groups = []
-        for name, layer, (scale, rows, row_scales) in covering:
-            if layer.d_in != input_row_width or layer.d_out != output_row_width:
-                raise ValueError(
-                    f"adapter {name!r} layer ({layer_idx}, {module!r}) has (d_in, d_out) = "
-                    f"({layer.d_in}, {layer.d_out}) but the call's row widths are "
-                    f"(input_row_width, output_row_width) = "
-                    f"({input_row_width}, {output_row_width})")
-            groups.append((layer._kernel, scale, rows, row_scales))
-        if groups:
-            _rows.apply_groups(groups, input, output, n_rows, input_row_width, output_row_width)
+        key = (layer_idx, module)
+        plan = self._group_plans.get(key)
+        if plan is None or plan.d_in != input_row_width or plan.d_out != output_row_width:
+            covering = self._covering(layer_idx, module)
+            for name, layer, _ in covering:
+                if layer.d_in != input_row_width or layer.d_out != output_row_width:
+                    raise ValueError(
+                        f"adapter {name!r} layer ({layer_idx}, {module!r}) has (d_in, d_out) = "
+                        f"({layer.d_in}, {layer.d_out}) but the call's row widths are "
+                        f"(input_row_width, output_row_width) = "
+                        f"({input_row_width}, {output_row_width})")
+            if not covering:
+                return
+            plan = _rows.GroupPlan([(layer._kernel,) + group for _, layer, group in covering],
+                                   n_rows, input_row_width, output_row_width)
+            # Concurrent first calls build equal plans; the last one wins.
+            self._group_plans[key] = plan
+        plan.apply(input, output)
 
     def apply(self, layer_idx, module, x, output):
         """Not supported: a bound batch is applied to whole batches only."""
