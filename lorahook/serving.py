@@ -245,10 +245,7 @@ class AdapterSet:
                     f"got {type(name).__name__} ({name!r})")
             if name not in installed:
                 unknown.add(name)
-        if unknown:
-            raise KeyError(
-                f"row_adapters names adapters that are not installed: {sorted(unknown)} "
-                f"(installed: {sorted(installed)})")
+        _refuse_unknown("row_adapters", unknown, installed)
         factors = _row_factors(scales, row_names, installed)
 
         # Group the rows by adapter, rows with a zero factor left out.
@@ -271,6 +268,13 @@ class AdapterSet:
         return BoundBatch._make(row_names, plans, n)
 
 
+def _refuse_unknown(what, unknown, installed):
+    if unknown:
+        raise KeyError(
+            f"{what} names adapters that are not installed: {sorted(unknown)} "
+            f"(installed: {sorted(installed)})")
+
+
 def _row_factors(scales, row_names, installed):
     """One float per row from the ``scales`` argument of :meth:`AdapterSet.bind`."""
     n = len(row_names)
@@ -288,10 +292,7 @@ def _row_factors(scales, row_names, installed):
                 unknown.append(key)
                 continue
             per_name[key] = _finite(value, f"scales[{key!r}]")
-        if unknown:
-            raise KeyError(
-                f"scales names adapters that are not installed: {sorted(unknown)} "
-                f"(installed: {sorted(installed)})")
+        _refuse_unknown("scales", unknown, installed)
         return [1.0 if name is None else per_name.get(name, 1.0) for name in row_names]
     if isinstance(scales, (numbers.Real, np.generic)) or (
             isinstance(scales, np.ndarray) and scales.ndim == 0):
