@@ -483,40 +483,35 @@ class _Config:
         self.rank_pattern = self._pattern(raw, "rank_pattern", integer=True)
         self.alpha_pattern = self._pattern(raw, "alpha_pattern", integer=False)
 
-        tm = raw.get("target_modules")
-        if tm is not None and not isinstance(tm, str) and not (
-            isinstance(tm, list) and all(isinstance(t, str) for t in tm)
-        ):
-            raise LoraFormatError(f"{where}: target_modules must be a string or a list of strings, found {tm!r}")
-        if isinstance(tm, str) and tm != "all-linear":
-            self._compile(tm, "target_modules")
-        self.target_modules = tm
-        em = raw.get("exclude_modules")
-        if em is not None and not isinstance(em, str) and not (
-            isinstance(em, list) and all(isinstance(t, str) for t in em)
-        ):
-            raise LoraFormatError(f"{where}: exclude_modules must be a string or a list of strings, found {em!r}")
-        if isinstance(em, str):
-            self._compile(em, "exclude_modules")
-        self.exclude_modules = em
+        self.target_modules = self._strings(raw, "target_modules")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            self._compile(self.target_modules, f"target_modules={_short(self.target_modules)}")
+        self.exclude_modules = self._strings(raw, "exclude_modules")
+        if isinstance(self.exclude_modules, str):
+            self._compile(self.exclude_modules, f"exclude_modules={_short(self.exclude_modules)}")
         lt = raw.get("layers_to_transform")
         if lt is not None and not _is_int(lt) and not (isinstance(lt, list) and all(_is_int(i) for i in lt)):
             raise LoraFormatError(f"{where}: layers_to_transform must be an integer or a list of integers, found {lt!r}")
         self.layers_to_transform = lt
-        lp = raw.get("layers_pattern")
-        if lp is not None and not isinstance(lp, str) and not (
-            isinstance(lp, list) and all(isinstance(t, str) for t in lp)
-        ):
-            raise LoraFormatError(f"{where}: layers_pattern must be a string or a list of strings, found {lp!r}")
-        self.layers_pattern = lp
+        self.layers_pattern = self._strings(raw, "layers_pattern")
         self.base_model = raw.get("base_model_name_or_path")
         self.revision = raw.get("revision")
 
-    def _compile(self, pattern: str, key: str) -> None:
+    def _strings(self, raw: dict, key: str):
+        """``raw[key]`` when it is absent, a string or a list of strings; else refused."""
+        value = raw.get(key)
+        if value is not None and not isinstance(value, str) and not (
+            isinstance(value, list) and all(isinstance(t, str) for t in value)
+        ):
+            raise LoraFormatError(f"{self.where}: {key} must be a string or a list of strings, found {value!r}")
+        return value
+
+    def _compile(self, pattern: str, what: str) -> None:
+        """Refuse ``pattern`` (described in messages as ``what``) unless it is a valid regex."""
         try:
             re.compile(pattern)
         except (re.error, RecursionError, OverflowError) as exc:
-            raise LoraFormatError(f"{self.where}: {key}={_short(pattern)} is not a valid regular expression: {exc}") from None
+            raise LoraFormatError(f"{self.where}: {what} is not a valid regular expression: {exc}") from None
 
     def _pattern(self, raw: dict, key: str, integer: bool) -> Dict[str, Any]:
         value = raw.get(key)
@@ -525,10 +520,7 @@ class _Config:
         if not isinstance(value, dict):
             raise LoraFormatError(f"{self.where}: {key} must be an object, found {value!r}")
         for k, v in value.items():
-            try:
-                re.compile(k)
-            except (re.error, RecursionError, OverflowError) as exc:
-                raise LoraFormatError(f"{self.where}: {key} key {k!r} is not a valid regular expression: {exc}") from None
+            self._compile(k, f"{key} key {k!r}")
             if integer:
                 if not _is_int(v) or v <= 0:
                     raise LoraFormatError(f"{self.where}: {key}[{k!r}] must be a positive integer, found {v!r}")
