@@ -449,17 +449,17 @@ def test_targeting_mismatch_refused(tmp_path, standard):
         load_peft(d)
 
 
-def test_config_value_errors(tmp_path, standard):
-    for over, words in [
-        ({"r": 0}, "r must be a positive integer"),
-        ({"r": "4"}, "r must be a positive integer"),
-        ({"lora_alpha": "x"}, "lora_alpha must be a finite number"),
-        ({"rank_pattern": {"q_proj": 0}}, r"rank_pattern\['q_proj'\]"),
-        ({"alpha_pattern": {"(": 2}}, "not a valid regular expression"),
-    ]:
-        d = write_dir(tmp_path / str(len(words)), standard[0], base_config(**over))
-        with pytest.raises(LoraFormatError, match=words):
-            load_peft(d)
+@pytest.mark.parametrize("over, words", [
+    ({"r": 0}, "r must be a positive integer"),
+    ({"r": "4"}, "r must be a positive integer"),
+    ({"lora_alpha": "x"}, "lora_alpha must be a finite number"),
+    ({"rank_pattern": {"q_proj": 0}}, r"rank_pattern\['q_proj'\]"),
+    ({"alpha_pattern": {"(": 2}}, "alpha_pattern key '\\(' is not a valid regular expression"),
+])
+def test_config_value_errors(tmp_path, standard, over, words):
+    d = write_dir(tmp_path / "ad", standard[0], base_config(**over))
+    with pytest.raises(LoraFormatError, match=words):
+        load_peft(d)
 
 
 # ----------------------------------------------------------------------------- hostile files
@@ -491,23 +491,16 @@ def hostile(tmp_path, **kw):
     return d
 
 
-def test_header_length_larger_than_file(tmp_path):
+@pytest.mark.parametrize("declared, words", [
+    (lambda size: size * 10, "but the file has only"),
+    (lambda size: 2**62, "more than the limit"),
+])
+def test_header_length_field_refused(tmp_path, declared, words):
     d = hostile(tmp_path)
     f = d / "adapter_model.safetensors"
-    data = bytearray(f.read_bytes())
-    data[:8] = struct.pack("<Q", len(data) * 10)
-    f.write_bytes(bytes(data))
-    with pytest.raises(LoraFormatError, match="header declares"):
-        load_peft(d)
-
-
-def test_header_length_over_limit(tmp_path):
-    d = hostile(tmp_path)
-    f = d / "adapter_model.safetensors"
-    data = bytearray(f.read_bytes())
-    data[:8] = struct.pack("<Q", 2**62)
-    f.write_bytes(bytes(data))
-    with pytest.raises(LoraFormatError, match="more than the limit"):
+    data = f.read_bytes()
+    f.write_bytes(struct.pack("<Q", declared(len(data))) + data[8:])
+    with pytest.raises(LoraFormatError, match=words):
         load_peft(d)
 
 
