@@ -23,6 +23,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stddef.h>
+#include <string.h>
 
 #define LORAHOOK_POOL_MAX 64
 
@@ -200,26 +201,41 @@ static void lorahook_store_int(int *p, int v) { __atomic_store_n(p, v, __ATOMIC_
 typedef int (*lorahook_int_getter)(void);
 static lorahook_int_getter lorahook_blas_threads_fn = NULL;
 
-/* Find OpenBLAS's getter from any function of the module that calls BLAS
-   (scipy.linalg.cython_blas): the dynamic loader says which file holds that
-   function, and a symbol lookup through that file's handle searches it and
-   the libraries it was linked against, which is where its BLAS is. */
-static void lorahook_find_blas_threads_fn(void *blas_caller) {
-    static const char *names[] = {
+/* The file of the BLAS the kernels call ("" when unknown), for threadpoolctl. */
+static char lorahook_blas_path[4096] = "";
+
+/* Find the BLAS library and OpenBLAS's thread-count getter from any function
+   of the module that calls BLAS (scipy.linalg.cython_blas): the dynamic
+   loader says which file holds that function, and a symbol lookup through
+   that file's handle searches it and the libraries it was linked against,
+   which is where its BLAS is.  The library is the file holding sgemm. */
+static void lorahook_find_blas(void *blas_caller) {
+    static const char *getters[] = {
         "scipy_openblas_get_num_threads", "scipy_openblas_get_num_threads64_",
         "openblas_get_num_threads", "openblas_get_num_threads64_", NULL};
-    Dl_info info;
+    static const char *sgemms[] = {
+        "scipy_sgemm_", "sgemm_", "sgemm", "scipy_sgemm_64_", "sgemm_64_", NULL};
+    Dl_info caller, lib;
     void *handle, *sym;
     int i;
-    if (blas_caller == NULL || !dladdr(blas_caller, &info) || info.dli_fname == NULL)
+    if (blas_caller == NULL || !dladdr(blas_caller, &caller) || caller.dli_fname == NULL)
         return;
-    handle = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    handle = dlopen(caller.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
     if (handle == NULL)
         return;
-    for (i = 0; names[i] != NULL; i++) {
-        sym = dlsym(handle, names[i]);
+    for (i = 0; getters[i] != NULL; i++) {
+        sym = dlsym(handle, getters[i]);
         if (sym != NULL) {
             lorahook_blas_threads_fn = (lorahook_int_getter)sym;
+            break;
+        }
+    }
+    for (i = 0; sgemms[i] != NULL; i++) {
+        sym = dlsym(handle, sgemms[i]);
+        if (sym != NULL && dladdr(sym, &lib) && lib.dli_fname != NULL
+                && strcmp(lib.dli_fname, caller.dli_fname) != 0
+                && strlen(lib.dli_fname) < sizeof(lorahook_blas_path)) {
+            strcpy(lorahook_blas_path, lib.dli_fname);
             break;
         }
     }

@@ -109,7 +109,8 @@ cdef extern from "_pool.h":
     void lorahook_count_helper_item() noexcept nogil
     Py_ssize_t lorahook_next_chunk(Py_ssize_t *counter) noexcept nogil
     void lorahook_store_int(int *p, int v) noexcept nogil
-    void lorahook_find_blas_threads_fn(void *blas_caller) noexcept nogil
+    void lorahook_find_blas(void *blas_caller) noexcept nogil
+    char *lorahook_blas_path
     int lorahook_blas_threads() noexcept nogil
     int lorahook_blas_threads_known() noexcept nogil
     int LORAHOOK_POOL_MAX
@@ -214,7 +215,13 @@ def _blas_threads():
     return lorahook_blas_threads_known()
 
 
-lorahook_find_blas_threads_fn(<void *>sgemm)
+def _blas_library_path():
+    """The file of the BLAS library the kernels call, or ``None`` when unknown."""
+    path = <bytes>lorahook_blas_path
+    return path.decode("utf-8", "surrogateescape") if path else None
+
+
+lorahook_find_blas(<void *>sgemm)
 
 
 # ---------------------------------------------------------------------------

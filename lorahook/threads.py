@@ -57,9 +57,9 @@ Override it
 The BLAS setting is process-wide for SciPy's BLAS, so it also applies to
 other users of ``scipy.linalg`` in the process.  Numpy's BLAS is never
 changed.  lorahook's helper threads start on the first split call; they
-block every signal, and a forked child starts its own when it needs them.
+block asynchronous signals, and a forked child starts its own when it needs
+them.
 """
-import ctypes
 import os
 import threading
 
@@ -77,58 +77,19 @@ MAX_DEFAULT_THREADS = 4
 _ENV = "LORAHOOK_NUM_THREADS"
 _BLAS_ENV = "LORAHOOK_BLAS_THREADS"
 _lock = threading.Lock()
-_cached_path = None
-
-# Fortran symbols cython_blas resolves against, newest wheel naming first.
-_PROBE_SYMBOLS = ("scipy_sgemm_", "sgemm_", "sgemm", "scipy_sgemm_64_", "sgemm_64_")
-
-
-class _DlInfo(ctypes.Structure):
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
-
-
-def _dladdr_path(address):
-    for name in (None, "libc.so.6", "libdl.so.2", "libSystem.dylib"):
-        try:
-            lib = ctypes.CDLL(name)
-            dladdr = lib.dladdr
-        except (OSError, AttributeError):
-            continue
-        dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
-        dladdr.restype = ctypes.c_int
-        info = _DlInfo()
-        if dladdr(address, ctypes.byref(info)) and info.dli_fname:
-            return os.fsdecode(info.dli_fname)
-        return None
-    return None
 
 
 def _cython_blas_library_path():
     """The file of the BLAS that ``scipy.linalg.cython_blas`` calls, or None.
 
-    Looks up ``sgemm`` through the extension's own handle (so the search runs
-    over its dependencies, not over whatever numpy loaded first) and asks the
-    dynamic loader which file holds that address.
+    The compiled core finds it at import: it looks ``sgemm`` up through the
+    extension's own handle (so the search runs over its dependencies, not
+    over whatever numpy loaded first) and asks the dynamic loader which file
+    holds that address.
     """
-    global _cached_path
-    if _cached_path is not None:
-        return _cached_path
-    import scipy.linalg.cython_blas as cython_blas
-    try:
-        handle = ctypes.CDLL(cython_blas.__file__)
-    except OSError:
-        return None
-    for symbol in _PROBE_SYMBOLS:
-        try:
-            func = getattr(handle, symbol)
-        except AttributeError:
-            continue
-        path = _dladdr_path(ctypes.cast(func, ctypes.c_void_p).value)
-        if path and os.path.realpath(path) != os.path.realpath(cython_blas.__file__):
-            _cached_path = os.path.realpath(path)
-            return _cached_path
-    return None
+    from . import _rows
+    path = _rows._blas_library_path()
+    return None if path is None else os.path.realpath(path)
 
 
 def blas_controller():

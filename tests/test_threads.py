@@ -49,6 +49,15 @@ def test_identifies_the_library_cython_blas_links():
     path = threads._cython_blas_library_path()
     if path is None:
         pytest.skip("the dynamic loader cannot map sgemm to a file here")
+    import ctypes
+    # a BLAS threadpoolctl knows, that defines sgemm itself, and not numpy's
+    blas = {os.path.realpath(e["filepath"]): e for e in threadpoolctl.threadpool_info()
+            if e["user_api"] == "blas"}
+    assert path in blas
+    lib = ctypes.CDLL(path)
+    assert any(hasattr(lib, name) for name in ("scipy_sgemm_", "sgemm_", "sgemm"))
+    numpy_libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    assert not path.startswith(os.path.realpath(numpy_libs) + os.sep)
     assert os.path.realpath(threads.blas_controller().lib_controllers[0].filepath) == path
 
 
