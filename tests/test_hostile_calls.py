@@ -68,6 +68,16 @@ def good_output(n=N, d=D_OUT):
     return np.random.default_rng(2).standard_normal((n, d)).astype(np.float32)
 
 
+def assert_applied(got, inp, out0):
+    """``got`` equals ``out0`` plus ADAPTER's delta for ``inp``, computed in float64."""
+    layer = ADAPTER.layers[KEY]
+    x = np.asarray(inp, np.float64).reshape(-1, D_IN)
+    a, b = layer.a.astype(np.float64), layer.b.astype(np.float64)
+    ref = np.asarray(out0, np.float64).reshape(-1, D_OUT) + layer.scale * (x @ a.T @ b.T)
+    err = np.max(np.abs(np.asarray(got, np.float64).reshape(ref.shape) - ref))
+    assert err <= 1e-5 * np.max(np.abs(ref)), err
+
+
 def snapshot(arr):
     try:
         return bytes(np.ascontiguousarray(arr).view(np.uint8).reshape(-1))
@@ -241,6 +251,7 @@ def test_read_only_input_is_fine():
     inp.flags.writeable = False
     out = good_output()
     apply_lora_rows(ADAPTER, KEY[0], KEY[1], inp, out, D_IN, D_OUT)
+    assert_applied(out, inp, good_output())
 
 
 # --------------------------------------------------------------------------- widths
@@ -357,7 +368,7 @@ def test_adjacent_buffers_are_fine():
     inp[:] = 1.0
     out = buf[N * D_IN:]
     apply_lora_rows(ADAPTER, KEY[0], KEY[1], inp, out, D_IN, D_OUT)
-    assert out.any()
+    assert_applied(out, np.ones(N * D_IN), np.zeros(N * D_OUT))
 
 
 # --------------------------------------------------------------------------- layer_idx / module
@@ -379,6 +390,7 @@ def test_numpy_layer_idx_accepted():
     apply_lora_rows(ADAPTER, np.int64(KEY[0]), KEY[1], good_input(), a, D_IN, D_OUT)
     apply_lora_rows(ADAPTER, KEY[0], KEY[1], good_input(), b, D_IN, D_OUT)
     assert np.array_equal(a, b)
+    assert_applied(a, good_input(), good_output())
 
 
 # --------------------------------------------------------------------------- layer geometry
