@@ -139,79 +139,55 @@ def check_layer_types(config, hf_text_config):
             hf_text_config.layer_types[layer] == "full_attention")
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_flat_dense_text_config(seed):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+#: moe -> (nested model_type, prefix of the transformers class names); the flat text form
+#: is model_type + "_text".
+FAMILIES = {False: ("qwen3_5", "Qwen3_5"), True: ("qwen3_5_moe", "Qwen3_5Moe")}
 
-    d = random_text_config(seed, moe=False)
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_flat_text_config(seed, moe):
+    model_type, prefix = FAMILIES[moe]
+    d = random_text_config(seed, moe=moe)
     torch.manual_seed(seed)
-    hf = Qwen3_5TextConfig(**d)
-    model = Qwen3_5ForCausalLM(hf)
-    ours = Qwen35Config.from_dict({"model_type": "qwen3_5_text", **d})
+    hf = getattr(transformers, f"{prefix}TextConfig")(**d)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(hf)
+    ours = Qwen35Config.from_dict({"model_type": model_type + "_text", **d})
+    assert ours.is_moe is moe and (ours.intermediate_size is None) is moe
     check_layer_types(ours, hf)
-    check_against_model(ours, model, moe=False)
+    check_against_model(ours, model, moe=moe)
+    if moe:
+        # The MoE block's experts are not nn.Linear; the shared expert's are, under
+        # names (mlp.shared_expert.gate_proj ...) that the module names do not address.
+        for layer in range(ours.num_hidden_layers):
+            mlp = model.model.layers[layer].mlp
+            assert not isinstance(mlp.experts, torch.nn.Linear)
+            assert isinstance(mlp.shared_expert.gate_proj, torch.nn.Linear)
     # transformers' own serialization reads back to the same geometry.
     assert Qwen35Config.from_dict(hf.to_dict()) == ours
     assert load_model_config(hf.to_dict()) == ours
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_nested_dense_config(seed):
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
-    d = random_text_config(seed, moe=False)
+def test_nested_config(seed, moe):
+    model_type, prefix = FAMILIES[moe]
+    d = random_text_config(seed, moe=moe)
     tie = d.pop("tie_word_embeddings")
     vision = dict(TINY_VISION, out_hidden_size=d["hidden_size"])
     torch.manual_seed(seed)
-    hf = Qwen3_5Config(text_config=d, vision_config=vision, tie_word_embeddings=tie)
-    model = Qwen3_5ForConditionalGeneration(hf)
-    raw = {"model_type": "qwen3_5", "text_config": d, "tie_word_embeddings": tie}
-    ours = Qwen35Config.from_dict(raw)
+    hf = getattr(transformers, f"{prefix}Config")(text_config=d, vision_config=vision,
+                                                  tie_word_embeddings=tie)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(hf)
+    ours = Qwen35Config.from_dict({"model_type": model_type, "text_config": d,
+                                   "tie_word_embeddings": tie})
     assert ours.tie_word_embeddings is tie
     check_layer_types(ours, hf.text_config)
-    check_against_model(ours, model, moe=False)
+    check_against_model(ours, model, moe=moe)
     assert Qwen35Config.from_dict(hf.to_dict()) == ours
     # The flat form of the same text model gives the same geometry.
-    assert Qwen35Config.from_dict({"model_type": "qwen3_5_text", "tie_word_embeddings": tie,
-                                   **d}) == ours
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_flat_moe_text_config(seed):
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-
-    d = random_text_config(seed, moe=True)
-    torch.manual_seed(seed)
-    hf = Qwen3_5MoeTextConfig(**d)
-    model = Qwen3_5MoeForCausalLM(hf)
-    ours = Qwen35Config.from_dict({"model_type": "qwen3_5_moe_text", **d})
-    assert ours.is_moe and ours.intermediate_size is None
-    check_layer_types(ours, hf)
-    check_against_model(ours, model, moe=True)
-    # The MoE block's experts are not nn.Linear; the shared expert's are, under
-    # names (mlp.shared_expert.gate_proj ...) that the module names do not address.
-    for layer in range(ours.num_hidden_layers):
-        mlp = model.model.layers[layer].mlp
-        assert not isinstance(mlp.experts, torch.nn.Linear)
-        assert isinstance(mlp.shared_expert.gate_proj, torch.nn.Linear)
-    assert Qwen35Config.from_dict(hf.to_dict()) == ours
-
-
-@pytest.mark.parametrize("seed", SEEDS[:2])
-def test_nested_moe_config(seed):
-    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
-
-    d = random_text_config(seed, moe=True)
-    tie = d.pop("tie_word_embeddings")
-    vision = dict(TINY_VISION, out_hidden_size=d["hidden_size"])
-    torch.manual_seed(seed)
-    hf = Qwen3_5MoeConfig(text_config=d, vision_config=vision, tie_word_embeddings=tie)
-    model = Qwen3_5MoeForConditionalGeneration(hf)
-    ours = Qwen35Config.from_dict({"model_type": "qwen3_5_moe", "text_config": d,
-                                   "tie_word_embeddings": tie})
-    check_layer_types(ours, hf.text_config)
-    check_against_model(ours, model, moe=True)
-    assert Qwen35Config.from_dict(hf.to_dict()) == ours
+    assert Qwen35Config.from_dict({"model_type": model_type + "_text",
+                                   "tie_word_embeddings": tie, **d}) == ours
 
 
 def test_adapter_fitted_to_a_real_model_validates():
