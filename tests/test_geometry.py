@@ -671,10 +671,17 @@ def test_27b_in_proj_b_is_sized_by_value_heads():
 
 def test_validate_against_accepts_a_full_fitting_adapter():
     c = Qwen35Config(**small_kwargs())
-    shapes = {}
-    for layer in range(c.num_hidden_layers):
-        for m in c.modules_for_layer(layer):
-            shapes[(layer, m)] = c.projection_shape(layer, m)
+    # Hand-computed from small_kwargs: H 64, 4 heads / 2 kv heads of 16, 2 key heads of 8,
+    # 4 value heads of 12, intermediate 96; layers 3 and 7 are full attention.
+    full = {"q_proj": (64, 2 * 4 * 16), "k_proj": (64, 2 * 16), "v_proj": (64, 2 * 16),
+            "o_proj": (4 * 16, 64)}
+    linear = {"in_proj_qkv": (64, 2 * 2 * 8 + 4 * 12), "in_proj_z": (64, 4 * 12),
+              "in_proj_b": (64, 4), "in_proj_a": (64, 4), "out_proj": (4 * 12, 64)}
+    mlp = {"gate_proj": (64, 96), "up_proj": (64, 96), "down_proj": (96, 64)}
+    shapes = {(layer, m): shape for layer in range(8)
+              for m, shape in {**(full if layer in (3, 7) else linear), **mlp}.items()}
+    for (layer, m), shape in shapes.items():
+        assert c.projection_shape(layer, m) == shape, (layer, m)
     assert adapter_for(shapes).validate_against(c) is None
     # Over-complete ranks (above min(d_in, d_out)) are valid.
     assert adapter_for({(0, "in_proj_b"): (64, 4)}, rank=20).validate_against(c) is None
