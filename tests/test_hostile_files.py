@@ -22,7 +22,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-peft = pytest.importorskip("lorahook.peft", reason="lorahook.peft (adapter files) is not available yet")
 save_file = pytest.importorskip("safetensors.numpy").save_file
 
 from lorahook import LoraAdapter, LoraFormatError, LoraValidationError  # noqa: E402
@@ -343,11 +342,12 @@ def test_non_finite_values(tmp_path, dtype, bad, which):
         assert_refused(p)
 
 
-def test_f16_overflow_free_and_bf16_load(tmp_path):
-    for np_dtype in (np.float16,):
-        t = {k: v.astype(np_dtype) for k, v in factors().items()}
-        adapter = LoraAdapter.from_peft(write_valid_dir(tmp_path / "f16", t))
-        check_usable(adapter)
+def test_f16_factors_load_widened_and_apply(tmp_path):
+    t = {k: v.astype(np.float16) for k, v in factors().items()}
+    adapter = LoraAdapter.from_peft(write_valid_dir(tmp_path / "f16", t))
+    np.testing.assert_array_equal(adapter.layers[(0, "q_proj")].a, t[A_KEY].astype(np.float32))
+    np.testing.assert_array_equal(adapter.layers[(0, "q_proj")].b, t[B_KEY].astype(np.float32))
+    check_usable(adapter)
 
 
 # --------------------------------------------------------------------------- adapter_config.json
