@@ -753,6 +753,19 @@ cdef int _run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t 
     cdef Segment seg
     layer.fill(&seg)
     seg.n_rows = n_rows
+    return _run_segments(&seg, 1, True, x, y, layer.d_in, layer.d_out)
+
+
+cdef int _run_segments(const Segment *segs, Py_ssize_t ng, bint disjoint, cnp.ndarray x,
+                       cnp.ndarray y, int d_in, int d_out) except -1:
+    """Run segments on checked buffers with the GIL released (the one way into the kernels)."""
+    # work items are per call, so concurrent calls over the same segments share nothing
+    cdef WorkItem one[_MAX_CHUNKS]
+    cdef WorkItem *items = one
+    items_obj = None
+    if ng > 1:
+        items_obj = bytearray(ng * _MAX_CHUNKS * sizeof(WorkItem))
+        items = <WorkItem *><char *>items_obj
     cdef const float *X = <const float *>cnp.PyArray_DATA(x)
     cdef float *Y = <float *>cnp.PyArray_DATA(y)
     cdef int rc
@@ -760,7 +773,7 @@ cdef int _run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t 
     _plan(&plan)
     with nogil:
         lorahook_enter()
-        rc = _run_segment_threads(&seg, X, Y, layer.d_in, layer.d_out, &plan)
+        rc = _run_groups(segs, ng, disjoint, items, X, Y, d_in, d_out, &plan)
         lorahook_leave()
     if rc != 0:
         raise MemoryError("lorahook could not allocate its scratch buffer")
@@ -876,22 +889,7 @@ cdef class GroupPlan:
     cdef int _run(self, cnp.ndarray x, cnp.ndarray y) except -1:
         if self._ng == 0 or self.n_rows == 0:
             return 0
-        # work items are per call, so concurrent calls of one plan share nothing
-        items_obj = bytearray(self._ng * _MAX_CHUNKS * sizeof(WorkItem))
-        cdef WorkItem *items = <WorkItem *><char *>items_obj
-        cdef const float *X = <const float *>cnp.PyArray_DATA(x)
-        cdef float *Y = <float *>cnp.PyArray_DATA(y)
-        cdef int rc
-        cdef Plan plan
-        _plan(&plan)
-        with nogil:
-            lorahook_enter()
-            rc = _run_groups(self._segs, self._ng, self._disjoint, items, X, Y,
-                             self.d_in, self.d_out, &plan)
-            lorahook_leave()
-        if rc != 0:
-            raise MemoryError("lorahook could not allocate its scratch buffer")
-        return 0
+        return _run_segments(self._segs, self._ng, self._disjoint, x, y, self.d_in, self.d_out)
 
 
 def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
