@@ -95,3 +95,23 @@ def test_bound_batch_plan_is_reused_and_still_checks_widths():
     with pytest.raises(ValueError, match=r"adapter 'a' layer \(0, 'up_proj'\)"):
         apply_lora_rows(bound, 0, "up_proj", x, wide, 16, 32)
     assert not wide.any()
+
+
+def test_a_hook_must_inherit_the_base_class():
+    # registering with the ABC is not enough: the core reads the base class's
+    # attributes, so a virtual subclass is refused like any other object
+    from lorahook import LoraHook
+
+    class Lookalike:
+        def apply(self, layer_idx, module, x, output):
+            output += 1
+
+        def is_active(self, layer_idx, module):
+            return True
+
+    LoraHook.register(Lookalike)
+    assert isinstance(Lookalike(), LoraHook)
+    y = np.zeros((1, 4), np.float32)
+    with pytest.raises(TypeError, match="hook must be a lorahook.LoraHook, got Lookalike"):
+        apply_lora_rows(Lookalike(), 0, "q_proj", np.zeros((1, 4), np.float32), y, 4, 4)
+    assert not y.any()
