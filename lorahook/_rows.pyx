@@ -201,6 +201,16 @@ def set_split_grain(min_rows, min_flops):
     return old
 
 
+def _split_chunks(Py_ssize_t n_rows, int rank, int d_in, int d_out):
+    """The chunks a segment of this shape is cut into under the current settings (1: none)."""
+    cdef Segment seg
+    cdef Plan plan
+    seg.rank = rank
+    seg.n_rows = n_rows
+    _plan(&plan)
+    return _chunks_for(&seg, d_in, d_out, &plan)
+
+
 def _helper_threads():
     """lorahook's helper threads alive in this process."""
     return lorahook_pool_started()
