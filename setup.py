@@ -25,7 +25,7 @@ extension = Extension(
     "lorahook._rows",
     ["lorahook/_rows.pyx"],
     include_dirs=["lorahook", numpy.get_include()],
-    # dladdr/dlopen/dlsym (lorahook/_pool.h): in libdl before glibc 2.34
+    # dladdr/dlopen/dlsym (finding the BLAS file): in libdl before glibc 2.34
     libraries=["dl"] if sys.platform.startswith("linux") else [],
     define_macros=[
         ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),

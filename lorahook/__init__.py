@@ -4,8 +4,8 @@ from .adapter import LoraAdapter, LoraLayer, blend
 from .errors import LoraFormatError, LoraValidationError
 from .geometry import BertConfig, Qwen35Config
 from .hook import LoraHook, NoopLoraHook, apply_lora_rows
-from .serving import AdapterSet, BoundBatch
-from .threads import get_num_threads, set_num_threads
+from .serving import AdapterSet, BoundBatch, BoundSequences
+from . import threads
 
 __version__ = "0.1.0"
 
@@ -22,7 +22,7 @@ __all__ = [
     "BertConfig",
     "AdapterSet",
     "BoundBatch",
-    "get_num_threads",
-    "set_num_threads",
+    "BoundSequences",
+    "threads",
     "DEBUG_BUILD",
 ]

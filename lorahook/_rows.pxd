@@ -15,9 +15,8 @@ cdef struct Segment:
 
 cdef class LayerKernel:
     """The compiled view of one validated adapter layer (read-only arrays)."""
-    cdef const float[:, ::1] a
-    cdef const float[:, ::1] b
-    cdef const float[:, ::1] bt   # B^T, C-contiguous: what the kernels read
+    cdef const float[:, ::1] a    # (rank, d_in)
+    cdef const float[:, ::1] bt   # B^T, (rank, d_out) C-contiguous: the one layout of B
     cdef const float[::1] bias
     cdef readonly int rank
     cdef readonly int d_in

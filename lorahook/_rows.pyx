@@ -1,14 +1,30 @@
 # cython: language_level=3
 """The compiled core of lorahook: call checks and the GIL-free BLAS row kernels.
 
-Everything here works on raw float32 rows and adapter layers; it knows nothing
-about files, model geometry or adapter names.  The public entry point is
-``apply_lora_rows`` (re-exported by :mod:`lorahook`).
+The core knows kernels and rows, never adapters, files or names.  Its public
+entry point is ``apply_lora_rows`` (re-exported by :mod:`lorahook`).
+
+What the core runs
+------------------
+A hook reaches the kernels through :class:`KernelSource`, the one interface
+between Python hooks and the core.  A kernel source is either
+
+* a **kernel table**: ``(layer_idx, module) -> LayerKernel``, each kernel
+  applied to every row of any batch (what :class:`lorahook.LoraAdapter` is);
+* **unit groups**: the rows of a call are ``units`` equal blocks (a block is
+  one row of a bound batch, or all the rows of one sequence), and for each
+  part -- a kernel table with, per layer scale, the blocks it applies to and
+  their scales -- the core runs that table's kernel on those blocks' rows
+  (what :meth:`lorahook.AdapterSet.bind` and ``bind_sequences`` return).
+
+Any other :class:`lorahook.LoraHook`, registered virtual subclasses included,
+gets the generic path: ``is_active`` (taken as ``True`` when missing), then
+one ``apply`` per row.
 
 Kernels
 -------
 For ``n`` rows through one adapter layer (``A`` is ``(rank, d_in)``, ``B`` is
-``(d_out, rank)``, both row-major) the update is ``Y += s * (X A^T) B^T``.
+``(d_out, rank)``) the update is ``Y += s * (X A^T) B^T``.
 
 * below the crossover (``get_gemm_crossover()`` rows) each row gets two
   ``sgemv`` calls: ``t = A x`` then ``y += s * B t``;
@@ -17,18 +33,21 @@ For ``n`` rows through one adapter layer (``A`` is ``(rank, d_in)``, ``B`` is
   (beta = 1).  Rows that are not contiguous in the batch (the grouped
   multi-adapter path) are gathered into scratch and scatter-added back.
 
-Row-major ``(m, n)`` data is column-major ``(n, m)`` for BLAS.  ``A`` is
-read with ``'T'`` and its row length as the leading dimension; ``B`` is kept
-transposed (``LayerKernel.bt``, one extra copy of ``B``) so that it is
-column-major ``(d_out, rank)`` and both products with it use ``'N'``.
-Different paths may differ in the last bits of float32 rounding: a row's
-result can depend on the batch it was computed in.
+Row-major ``(m, n)`` data is column-major ``(n, m)`` for BLAS.  ``A`` is read
+with ``'T'`` and its row length as the leading dimension.  ``B`` is kept in
+one layout only, ``B^T`` row-major (``(rank, d_out)``, i.e. ``B``
+column-major), so both products with it use ``'N'`` and stream memory;
+``LoraLayer.b`` is a read-only view of it.  Kernels run on the calling thread
+with the GIL released; the core starts no thread of its own.  Different paths
+may differ in the last bits of float32 rounding: a row's result can depend on
+the batch it was computed in.
 """
 
 cimport cython
 cimport numpy as cnp
 from libc.string cimport memcpy
 from libc.limits cimport INT_MAX
+from libc.stdlib cimport free
 from cpython.type cimport PyType_IsSubtype
 from scipy.linalg.cython_blas cimport sgemm, sgemv, saxpy, sscal
 
@@ -42,10 +61,13 @@ cdef extern from *:
     """
     #include <pthread.h>
     #include <stdlib.h>
+    #include <string.h>
+    #include <dlfcn.h>
 
     /* A per-thread scratch buffer, reused across calls so that the batched
        kernels do not page-fault on a fresh temporary every projection.  Freed
-       by the pthread key destructor when the thread exits. */
+       by the pthread key destructor when the thread exits.  (Thread-local
+       storage only: no thread is started here.) */
     #define LORAHOOK_SCRATCH_CACHE_FLOATS ((size_t)1 << 20)
 
     typedef struct { float *data; size_t len; } lorahook_buf;
@@ -88,6 +110,35 @@ cdef extern from *:
         }
         return b->data;
     }
+
+    /* The file of the BLAS library the kernels call ("" when unknown): the
+       dynamic loader says which file holds a function of the module that
+       calls BLAS (scipy.linalg.cython_blas); a symbol lookup through that
+       file's handle searches it and the libraries it links, and the file
+       holding sgemm is the BLAS.  Read-only: nothing is changed. */
+    static char lorahook_blas_path[4096] = "";
+    static void lorahook_find_blas(void *blas_caller) {
+        static const char *sgemms[] = {
+            "scipy_sgemm_", "sgemm_", "sgemm", "scipy_sgemm_64_", "sgemm_64_", NULL};
+        Dl_info caller, lib;
+        void *handle, *sym;
+        int i;
+        if (blas_caller == NULL || !dladdr(blas_caller, &caller) || caller.dli_fname == NULL)
+            return;
+        handle = dlopen(caller.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+        if (handle == NULL)
+            return;
+        for (i = 0; sgemms[i] != NULL; i++) {
+            sym = dlsym(handle, sgemms[i]);
+            if (sym != NULL && dladdr(sym, &lib) && lib.dli_fname != NULL
+                    && strcmp(lib.dli_fname, caller.dli_fname) != 0
+                    && strlen(lib.dli_fname) < sizeof(lorahook_blas_path)) {
+                strcpy(lorahook_blas_path, lib.dli_fname);
+                break;
+            }
+        }
+        dlclose(handle);  /* RTLD_NOLOAD took a reference; give it back */
+    }
     #ifndef LORAHOOK_DEBUG_BUILD
     #define LORAHOOK_DEBUG_BUILD 0
     #endif
@@ -95,26 +146,8 @@ cdef extern from *:
     float *lorahook_scratch(size_t n, int *owned) noexcept nogil
     size_t LORAHOOK_SCRATCH_CACHE_FLOATS
     int LORAHOOK_DEBUG_BUILD
-
-from libc.stdlib cimport free
-
-cdef extern from "_pool.h":
-    ctypedef void (*lorahook_task)(void *arg) noexcept nogil
-    int lorahook_pool_run(lorahook_task caller_task, lorahook_task helper_task,
-                          void *arg, int want) noexcept nogil
-    void lorahook_enter() noexcept nogil
-    void lorahook_leave() noexcept nogil
-    Py_ssize_t lorahook_calls_in_flight() noexcept nogil
-    int lorahook_pool_started() noexcept nogil
-    Py_ssize_t lorahook_helper_items_done() noexcept nogil
-    void lorahook_count_helper_item() noexcept nogil
-    Py_ssize_t lorahook_next_chunk(Py_ssize_t *counter) noexcept nogil
-    void lorahook_store_int(int *p, int v) noexcept nogil
-    void lorahook_find_blas(void *blas_caller) noexcept nogil
     char *lorahook_blas_path
-    int lorahook_blas_threads() noexcept nogil
-    int lorahook_blas_threads_known() noexcept nogil
-    int LORAHOOK_POOL_MAX
+    void lorahook_find_blas(void *blas_caller) noexcept nogil
 
 #: True when the extension was built with bounds checking (LORAHOOK_CYTHON_DEBUG=1).
 DEBUG_BUILD = bool(LORAHOOK_DEBUG_BUILD)
@@ -123,25 +156,25 @@ DEBUG_BUILD = bool(LORAHOOK_DEBUG_BUILD)
 # of one sgemv pair per row.
 cdef Py_ssize_t _gemm_crossover = 32
 
-# Threads one batched call may use (the caller plus lorahook's helpers); set
-# through lorahook.set_num_threads.  1 keeps every call on the calling thread.
-cdef int _num_threads = 1
-
-# A batched segment is split into chunks of at least this many rows and this
-# many flops, and only when that gives two chunks or more; at most
-# _MAX_CHUNKS chunks (see lorahook.threads for how these were measured).
-cdef Py_ssize_t _split_min_rows = 64
-cdef double _split_min_flops = 4e6
-cdef enum:
-    _MAX_CHUNKS = 16
-
-# Set by lorahook.hook at import: the abstract base every hook must derive from.
+# Set by lorahook.hook at import: the abstract base every hook derives from
+# or is registered with.
 cdef object _hook_base = None
+
+# Called once, with the GIL, before the first batched (sgemm) kernel of the
+# process runs; set by lorahook.threads (its BLAS pool check).
+cdef object _first_batched = None
+cdef bint _batched_seen = False
 
 
 def _set_hook_base(cls):
     global _hook_base
     _hook_base = cls
+
+
+def _set_first_batched(fn):
+    """Set the callable run once before the process's first batched kernel."""
+    global _first_batched
+    _first_batched = fn
 
 
 def get_gemm_crossover():
@@ -160,70 +193,6 @@ def set_gemm_crossover(n):
     old = _gemm_crossover
     _gemm_crossover = n
     return old
-
-
-def _get_num_threads():
-    return _num_threads
-
-
-def _set_num_threads(n):
-    """Set the threads one batched call may use (``1 <= n <= 64``); returns the old value."""
-    global _num_threads
-    n = _as_width(n, "n")
-    if n > LORAHOOK_POOL_MAX:
-        raise ValueError(f"n must be at most {LORAHOOK_POOL_MAX}, got {n}")
-    old = _num_threads
-    _num_threads = <int>n
-    return old
-
-
-def get_split_grain():
-    """``(min_rows, min_flops)`` of one chunk when a batched call is split over threads."""
-    return _split_min_rows, _split_min_flops
-
-
-def set_split_grain(min_rows, min_flops):
-    """Set the smallest chunk a split batched call hands to a thread; returns the old pair.
-
-    A segment of ``n`` rows is split into ``min(16, n // rows_per_chunk)``
-    chunks, where ``rows_per_chunk`` is the largest of ``min_rows``, the
-    gemm crossover and the rows holding ``min_flops`` flops (rounded up);
-    fewer than two chunks means no split.
-    """
-    global _split_min_rows, _split_min_flops
-    rows = _as_width(min_rows, "min_rows")
-    flops = float(min_flops)
-    if not (flops >= 0.0) or flops == float("inf"):
-        raise ValueError(f"min_flops must be a finite number >= 0, got {min_flops!r}")
-    old = (_split_min_rows, _split_min_flops)
-    _split_min_rows = rows
-    _split_min_flops = flops
-    return old
-
-
-def _split_chunks(Py_ssize_t n_rows, int rank, int d_in, int d_out):
-    """The chunks a segment of this shape is cut into under the current settings (1: none)."""
-    cdef Segment seg
-    cdef Plan plan
-    seg.rank = rank
-    seg.n_rows = n_rows
-    _plan(&plan)
-    return _chunks_for(&seg, d_in, d_out, &plan)
-
-
-def _helper_threads():
-    """lorahook's helper threads alive in this process."""
-    return lorahook_pool_started()
-
-
-def _helper_items():
-    """Work items lorahook's helper threads have run in this process."""
-    return lorahook_helper_items_done()
-
-
-def _blas_threads():
-    """Threads of the BLAS the kernels call as the core sees them (0: it cannot tell)."""
-    return lorahook_blas_threads_known()
 
 
 def _blas_library_path():
@@ -306,6 +275,19 @@ cdef Py_ssize_t _row_count(cnp.ndarray a, Py_ssize_t width, str name, str wname)
     return size // width
 
 
+cdef int _refuse_overlap(cnp.ndarray x, cnp.ndarray y) except -1:
+    """``ValueError`` when two C-contiguous buffers share any byte."""
+    cdef char *xs = <char *>cnp.PyArray_DATA(x)
+    cdef char *ys = <char *>cnp.PyArray_DATA(y)
+    cdef Py_ssize_t xb = cnp.PyArray_NBYTES(x)
+    cdef Py_ssize_t yb = cnp.PyArray_NBYTES(y)
+    if xb > 0 and yb > 0 and xs < ys + yb and ys < xs + xb:
+        raise ValueError(
+            f"input and output must not overlap in memory, got overlapping buffers "
+            f"(input {xb} bytes at {<size_t>xs:#x}, output {yb} bytes at {<size_t>ys:#x})")
+    return 0
+
+
 cdef Py_ssize_t _check_call(object input, object output, object input_row_width,
                             object output_row_width, Py_ssize_t *widths=NULL) except -1:
     """The spec's call checks in order; returns the row count.
@@ -327,12 +309,7 @@ cdef Py_ssize_t _check_call(object input, object output, object input_row_width,
         raise ValueError(
             f"input and output row counts must match: input has {n_in} rows of width {d_in}, "
             f"output has {n_out} rows of width {d_out}")
-    cdef char *xs = <char *>cnp.PyArray_DATA(x)
-    cdef char *ys = <char *>cnp.PyArray_DATA(y)
-    cdef Py_ssize_t xb = n_in * d_in * <Py_ssize_t>sizeof(float)
-    cdef Py_ssize_t yb = n_out * d_out * <Py_ssize_t>sizeof(float)
-    if xb > 0 and yb > 0 and xs < ys + yb and ys < xs + xb:
-        raise ValueError("input and output must not overlap in memory, got overlapping buffers")
+    _refuse_overlap(x, y)
     if widths != NULL:
         widths[0] = d_in
         widths[1] = d_out
@@ -344,55 +321,276 @@ def check_rows(input, output, input_row_width, output_row_width):
     return _check_call(input, output, input_row_width, output_row_width)
 
 
+# ---------------------------------------------------------------------------
+# the interface between hooks and the core
+# ---------------------------------------------------------------------------
+
+# How apply_lora_rows treats a kernel source (KernelSource._mode).
+cdef enum:
+    MODE_KERNELS = 0   # the kernels answer is_active and do the work
+    MODE_ASK = 1       # ask the hook's own is_active first, then the kernels
+    MODE_ROWS = 2      # the hook's own apply, once per row (generic path)
+
+# Row-per-unit counts whose plans a unit-group source keeps (a generation
+# loop needs two: the prefill length and 1 for decode steps).
+cdef enum:
+    _MAX_PLAN_LENGTHS = 4
+
+
+@cython.auto_pickle(False)
+cdef class KernelSource:
+    """The compiled side of a hook: which layer kernels run on which rows.
+
+    Not made directly: :class:`lorahook.LoraAdapter` is a kernel table and
+    the hooks of :meth:`lorahook.AdapterSet.bind` / ``bind_sequences`` are
+    unit groups (see the module docstring).  Both are filled once, when the
+    hook is built, through the private ``_set_table`` / ``_set_units``, and
+    never change afterwards, so a source may be used from several threads.
+    """
+    cdef dict _table          # table: key -> LayerKernel, for every row
+    cdef str _label           # names the source in error messages ("" when none)
+    cdef int _mode
+    cdef bint _grouped
+    cdef tuple _parts         # groups: ((label, KernelSource, {scale: (s, units, scales)}), ...)
+    cdef Py_ssize_t _units    # groups: a call has a multiple of _units rows ...
+    cdef bint _exact          # ... or exactly _units rows
+    cdef dict _resolved       # groups: key -> tuple of (label, kernel, s, units, scales)
+    cdef dict _plans          # groups: rows per unit -> {key: GroupPlan}
+
+    def _set_table(self, dict table not None, int mode, label=None):
+        """Make this a kernel table: ``table`` maps keys to LayerKernels (rank > 0)."""
+        for key, kernel in table.items():
+            if not isinstance(kernel, LayerKernel) or (<LayerKernel>kernel).rank == 0:
+                raise TypeError(f"kernel for {key!r} must be a LayerKernel of rank > 0")
+        if mode < MODE_KERNELS or mode > MODE_ROWS:
+            raise ValueError(f"mode must be 0, 1 or 2, got {mode}")
+        self._table = table
+        self._mode = mode
+        self._label = "" if label is None else str(label)
+        self._grouped = False
+
+    def _set_units(self, parts, Py_ssize_t units, bint exact):
+        """Make this unit groups over ``units`` blocks of rows.
+
+        ``parts`` is a sequence of ``(label, source, by_scale)``: ``source`` a
+        kernel table, ``by_scale`` maps a kernel's ``scale`` (as a Python
+        float) to ``(scale, unit_indices, unit_scales)`` -- strictly
+        ascending int32 block indices in ``[0, units)`` (``None``: every
+        block) and one float32 scale each (``None``: ``scale`` for all).
+        Blocks no part names are never written.
+        """
+        if units < 0:
+            raise ValueError(f"units must be >= 0, got {units}")
+        checked = []
+        for label, source, by_scale in parts:
+            if not isinstance(source, KernelSource) or (<KernelSource>source)._grouped:
+                raise TypeError(f"part {label!r}: the source must be a kernel table")
+            groups = {}
+            for s, (scale, idx, scales) in dict(by_scale).items():
+                idx = _private_vector(idx, cnp.NPY_INT32, np.int32, 0, "unit indices", "int32")
+                scales = _private_vector(scales, cnp.NPY_FLOAT32, np.float32, 0, "unit scales",
+                                         "float32")
+                m = units if idx is None else len(idx)
+                if idx is not None and m and (idx[0] < 0 or idx[m - 1] >= units
+                                              or (m > 1 and not (np.diff(idx) > 0).all())):
+                    raise ValueError(f"part {label!r}: unit indices must be strictly "
+                                     f"ascending in [0, {units})")
+                if scales is not None and len(scales) != m:
+                    raise ValueError(f"part {label!r}: {len(scales)} unit scales for {m} units")
+                groups[float(s)] = (float(scale), idx, scales)
+            checked.append((str(label), source, groups))
+        self._parts = tuple(checked)
+        self._units = units
+        self._exact = exact
+        self._mode = MODE_KERNELS
+        self._label = ""
+        self._grouped = True
+        self._resolved = {}
+        self._plans = {}
+
+    def is_active(self, layer_idx, module):
+        """True when some kernel covers ``(layer_idx, module)`` (for some row)."""
+        key = (layer_idx, module)
+        if self._grouped:
+            return bool(self._groups(key))
+        return self._table is not None and key in self._table
+
+    def _rows_per_unit(self, Py_ssize_t n):
+        """The call check of a unit-group source for ``n`` rows; returns rows per unit."""
+        return self._check_rows(n)
+
+    cdef Py_ssize_t _check_rows(self, Py_ssize_t n) except -1:
+        if self._exact:
+            if n != self._units:
+                raise ValueError(f"this hook was bound for a batch of {self._units} rows, "
+                                 f"got {n} rows")
+            return 1 if n else 0
+        if self._units == 0:
+            if n != 0:
+                raise ValueError(f"this hook was bound for 0 sequences and serves only "
+                                 f"0-row calls, got {n} rows")
+            return 0
+        if n % self._units != 0:
+            raise ValueError(
+                f"this hook was bound for {self._units} sequences: the row count must be a "
+                f"multiple of {self._units}, got {n} rows ({n % self._units} left over)")
+        return n // self._units
+
+    cdef tuple _groups(self, tuple key):
+        found = self._resolved.get(key)
+        if found is None:
+            items = []
+            for label, source, by_scale in self._parts:
+                kernel = (<KernelSource>source)._table.get(key)
+                if kernel is None:
+                    continue
+                group = (<dict>by_scale).get(<double>(<LayerKernel>kernel).scale)
+                if group is not None:
+                    items.append((label, kernel) + group)
+            found = tuple(items)
+            # Concurrent fills compute the same value; the last one wins.
+            self._resolved[key] = found
+        return <tuple>found
+
+    cdef GroupPlan _plan(self, tuple key, Py_ssize_t n, Py_ssize_t per_unit, int d_in, int d_out):
+        """The plan of a checked call, or ``None`` when nothing covers ``key``.
+
+        Widths are checked even for a zero-row call (``ValueError`` before any
+        write).  Plans are kept per rows-per-unit count, at most
+        ``_MAX_PLAN_LENGTHS`` counts (the oldest is dropped).
+        """
+        cdef GroupPlan plan
+        per = self._plans.get(per_unit)
+        if per is not None:
+            found = (<dict>per).get(key)
+            if found is not None:
+                plan = <GroupPlan>found
+                if plan.d_in == d_in and plan.d_out == d_out:
+                    return plan
+        groups = self._groups(key)
+        if not groups:
+            return None
+        for label, kernel, _, _, _ in groups:
+            _check_kernel_widths(<LayerKernel>kernel, key, label, d_in, d_out)
+        if n == 0:
+            return None
+        plan = GroupPlan([(kernel, scale, _expand_units(idx, per_unit),
+                           None if scales is None else np.repeat(scales, per_unit))
+                          for _, kernel, scale, idx, scales in groups], n, d_in, d_out)
+        if per is None:
+            while len(self._plans) >= _MAX_PLAN_LENGTHS:
+                try:
+                    del self._plans[next(iter(self._plans))]
+                except (KeyError, StopIteration, RuntimeError):
+                    break
+            per = self._plans.setdefault(per_unit, {})
+        (<dict>per)[key] = plan
+        return plan
+
+
+cdef object _expand_units(object idx, Py_ssize_t per_unit):
+    """Row indices of the blocks ``idx`` (``None``: every row), ``per_unit`` rows each."""
+    if idx is None:
+        return None
+    if per_unit == 1:
+        return idx
+    return (np.asarray(idx, dtype=np.int64)[:, None] * per_unit
+            + np.arange(per_unit, dtype=np.int64)).astype(np.int32).ravel()
+
+
+cdef int _check_kernel_widths(LayerKernel kernel, tuple key, str label, Py_ssize_t d_in,
+                              Py_ssize_t d_out) except -1:
+    if kernel.d_in != d_in or kernel.d_out != d_out:
+        who = f"adapter {label!r} layer" if label else "adapter layer"
+        raise ValueError(
+            f"{who} ({key[0]}, {key[1]!r}) has (d_in, d_out) = ({kernel.d_in}, {kernel.d_out}) "
+            f"but the call's row widths are (input_row_width, output_row_width) = "
+            f"({d_in}, {d_out})")
+    return 0
+
+
+cdef int _apply_each_row(object hook, object layer_idx, object module, cnp.ndarray x,
+                         cnp.ndarray y, Py_ssize_t d_in, Py_ssize_t d_out,
+                         Py_ssize_t n) except -1:
+    """The generic path: one ``apply`` per row, on views of the caller's arrays."""
+    rows_in = (<object>x).reshape(n, d_in).view()
+    rows_in.flags.writeable = False
+    rows_out = (<object>y).reshape(n, d_out)
+    apply = hook.apply
+    cdef Py_ssize_t i
+    for i in range(n):
+        apply(layer_idx, module, rows_in[i], rows_out[i])
+    return 0
+
+
 def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, output_row_width):
     """Add ``hook``'s LoRA delta to every row of ``output`` in place.
 
     ``input`` holds the rows given to the base projection and ``output`` its
     result, each a float32 C-contiguous ``ndarray``, either flattened 1-D
     (``len == rows * width``) or 2-D ``(rows, width)``.  The call is checked
-    first, whatever the hook (``TypeError`` for types, dtypes and non-integer
-    widths; ``ValueError`` for ndim, contiguity, writability, widths, row
-    counts and a bound hook's row count); nothing is written when a check
-    fails.  Then ``hook.is_active(layer_idx, module)`` is asked once; an
-    inactive hook returns at once.  A :class:`~lorahook.LoraAdapter` or a bound
-    :class:`~lorahook.AdapterSet` batch runs in the compiled core with the GIL
-    released; any other hook gets one ``apply`` call per row, in row order.
+    first, whatever the hook (``TypeError`` for the hook's type, types,
+    dtypes and non-integer widths; ``ValueError`` for ndim, contiguity,
+    writability, widths, row counts, overlapping buffers and a bound hook's
+    row count); nothing is written when a check fails.  Then
+    ``hook.is_active(layer_idx, module)`` is asked once (a registered virtual
+    subclass without ``is_active`` counts as active); an inactive hook returns
+    at once.  The widths of the layers that cover the projection are checked
+    against the call's, for zero-row calls too.  A
+    :class:`~lorahook.LoraAdapter` or a bound :class:`~lorahook.AdapterSet`
+    batch runs in the compiled core with the GIL released, on the calling
+    thread; any other hook gets one ``apply`` call per row, in row order.
     """
-    # A subtype test on the MRO: LoraHook is an ABC, and isinstance() through
-    # ABCMeta cost ~0.4 us of a ~1 us inactive call.  Virtual subclasses
-    # (ABC.register) are refused on purpose: a hook must inherit the base.
-    if _hook_base is None or not PyType_IsSubtype(type(hook), <type>_hook_base):
+    cdef type t = type(hook)
+    cdef KernelSource src = None
+    cdef int mode = MODE_ROWS
+    # Subtype tests on the MRO first (isinstance through ABCMeta costs ~0.4
+    # us of a ~1 us inactive call); registered virtual subclasses last.
+    if PyType_IsSubtype(t, KernelSource):
+        src = <KernelSource>hook
+        mode = src._mode
+    elif _hook_base is None or not (PyType_IsSubtype(t, <type>_hook_base)
+                                    or isinstance(hook, _hook_base)):
         raise TypeError(f"hook must be a lorahook.LoraHook, got {type(hook).__name__}")
     cdef Py_ssize_t widths[2]
     cdef Py_ssize_t n = _check_call(input, output, input_row_width, output_row_width, widths)
-    bound = hook._bound_rows
-    if bound is not None and bound != n:
-        raise ValueError(
-            f"this hook was bound for a batch of {bound} rows, got {n} rows")
+    cdef Py_ssize_t per_unit = 0
+    if src is not None and src._grouped:
+        per_unit = src._check_rows(n)
     if type(layer_idx) is not int:
         layer_idx = _as_int(layer_idx, "layer_idx")
     if layer_idx < 0:
         raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
     if type(module) is not str:
         raise TypeError(f"module must be a str, got {type(module).__name__}")
-    cdef LayerKernel kernel
-    if hook._fused:
-        # A LoraAdapter whose hook methods are its own: its is_active is
-        # "the key has a kernel", so one lookup answers it and gives the
-        # kernel, and the buffers checked above go straight to the core.
-        found = (<dict>hook._kernels).get((layer_idx, module))
-        if found is None or n == 0:
+    cdef tuple key
+    cdef GroupPlan plan
+    if mode != MODE_KERNELS:
+        is_active = getattr(hook, "is_active", None)
+        if is_active is not None and not is_active(layer_idx, module):
             return
-        kernel = <LayerKernel>found
-        if kernel.d_in == widths[0] and kernel.d_out == widths[1]:
-            _run_layer(kernel, <cnp.ndarray>input, <cnp.ndarray>output, n)
+    if src is None or mode == MODE_ROWS:
+        if src is not None and not src._grouped:
+            found = src._table.get((layer_idx, module))
+            if found is not None:
+                _check_kernel_widths(<LayerKernel>found, (layer_idx, module), src._label,
+                                     widths[0], widths[1])
+        if n:
+            _apply_each_row(hook, layer_idx, module, <cnp.ndarray>input, <cnp.ndarray>output,
+                            widths[0], widths[1], n)
+        return
+    key = (layer_idx, module)
+    if not src._grouped:
+        found = src._table.get(key)
+        if found is None:
             return
-        # a width mismatch: the adapter's own path raises the precise error
-    elif not hook.is_active(layer_idx, module):
+        _check_kernel_widths(<LayerKernel>found, key, src._label, widths[0], widths[1])
+        if n:
+            _run_layer(<LayerKernel>found, <cnp.ndarray>input, <cnp.ndarray>output, n)
         return
-    if n == 0:
-        return
-    hook._apply_rows(layer_idx, module, input, output, widths[0], widths[1], n)
+    plan = src._plan(key, n, per_unit, <int>widths[0], <int>widths[1])
+    if plan is not None:
+        plan._run(<cnp.ndarray>input, <cnp.ndarray>output)
 
 
 # ---------------------------------------------------------------------------
@@ -400,23 +598,25 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, out
 # ---------------------------------------------------------------------------
 
 @cython.final
+@cython.auto_pickle(False)
 cdef class LayerKernel:
     """Typed views of one adapter layer's arrays, made once at construction.
 
-    ``a`` is ``(rank, d_in)``, ``b`` is ``(d_out, rank)``, ``bias`` is
-    ``(d_out,)`` or ``None``; all float32 C-contiguous.  The owning
+    ``a`` is ``(rank, d_in)``, ``bt`` is ``B^T``, ``(rank, d_out)``, ``bias``
+    is ``(d_out,)`` or ``None``; all float32 C-contiguous.  The owning
     :class:`~lorahook.LoraLayer` validates values; this class re-checks the
     shapes it relies on so that no kernel can read past an array.
     """
 
-    def __cinit__(self, a, b, scale, bias=None):
+    def __cinit__(self, a, bt, scale, bias=None):
         self.a = a
-        self.b = b
+        self.bt = bt
         cdef Py_ssize_t rank = self.a.shape[0]
         cdef Py_ssize_t d_in = self.a.shape[1]
-        cdef Py_ssize_t d_out = self.b.shape[0]
-        if self.b.shape[1] != rank:
-            raise ValueError(f"b must have shape (d_out, {rank}), got {self.b.shape[0], self.b.shape[1]}")
+        cdef Py_ssize_t d_out = self.bt.shape[1]
+        if self.bt.shape[0] != rank:
+            raise ValueError(
+                f"bt must have shape ({rank}, d_out), got {self.bt.shape[0], self.bt.shape[1]}")
         if d_in < 1 or d_out < 1:
             raise ValueError(f"d_in and d_out must be >= 1, got ({d_in}, {d_out})")
         if rank > INT_MAX or d_in > INT_MAX or d_out > INT_MAX:
@@ -424,12 +624,6 @@ cdef class LayerKernel:
         self.rank = <int>rank
         self.d_in = <int>d_in
         self.d_out = <int>d_out
-        # The kernels read B transposed: y += s * B t is then an sgemv over
-        # rank columns of length d_out ('N'), which streams memory, instead
-        # of d_out dot products of length rank ('T'): 2-3x faster at rank 16.
-        bt = np.ascontiguousarray(np.asarray(self.b).T)
-        bt.flags.writeable = False
-        self.bt = bt
         self.scale = <float>scale
         self.has_bias = bias is not None
         if self.has_bias and rank == 0:
@@ -562,190 +756,6 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
     return 0
 
 
-ctypedef struct Plan:
-    # the settings one call runs with, read once with the GIL held
-    Py_ssize_t crossover
-    Py_ssize_t min_rows
-    double min_flops
-    int nthreads
-
-
-cdef inline void _plan(Plan *p) noexcept:
-    p.crossover = _gemm_crossover
-    p.min_rows = _split_min_rows
-    p.min_flops = _split_min_flops
-    p.nthreads = _num_threads
-
-
-ctypedef struct WorkItem:
-    # rows [k0, k1) of one segment's rows
-    const Segment *s
-    Py_ssize_t k0
-    Py_ssize_t k1
-
-
-ctypedef struct SplitJob:
-    const WorkItem *items
-    Py_ssize_t n_items
-    const float *X
-    float *Y
-    int d_in
-    int d_out
-    Py_ssize_t crossover
-    Py_ssize_t next     # next item to take (atomic)
-    int rc
-
-
-cdef void _split_caller(void *arg) noexcept nogil:
-    _run_items(<SplitJob *>arg, False)
-
-
-cdef void _split_helper(void *arg) noexcept nogil:
-    _run_items(<SplitJob *>arg, True)
-
-
-cdef void _run_items(SplitJob *job, bint helper) noexcept nogil:
-    """Run work items until none is left.
-
-    The caller always runs to the end; a helper stops taking items as soon
-    as another kernel call is running anywhere in the process.  Items of one
-    job never share an output row, so their order does not matter.
-    """
-    cdef Py_ssize_t c
-    cdef const WorkItem *it
-    cdef Segment sub
-    cdef const float *X
-    cdef float *Y
-    while True:
-        if helper and lorahook_calls_in_flight() > 1:
-            return
-        c = lorahook_next_chunk(&job.next)
-        if c >= job.n_items:
-            return
-        it = &job.items[c]
-        sub = it.s[0]
-        sub.n_rows = it.k1 - it.k0
-        X = job.X
-        Y = job.Y
-        if it.s.rows == NULL:
-            X = X + it.k0 * job.d_in
-            Y = Y + it.k0 * job.d_out
-        else:
-            sub.rows = it.s.rows + it.k0
-        if it.s.row_scales != NULL:
-            sub.row_scales = it.s.row_scales + it.k0
-        if _run_segment(&sub, X, Y, job.d_in, job.d_out, job.crossover) != 0:
-            lorahook_store_int(&job.rc, -1)
-        if helper:
-            lorahook_count_helper_item()
-
-
-cdef inline double _segment_flops(const Segment *s, int d_in, int d_out) noexcept nogil:
-    return 2.0 * s.rank * (<double>d_in + d_out) * s.n_rows
-
-
-cdef Py_ssize_t _chunks_for(const Segment *s, int d_in, int d_out, const Plan *p) noexcept nogil:
-    """Chunks a segment is cut into when split: 1 means it stays whole.
-
-    Depends only on the segment's shape and the call's plan, never on the
-    thread count or on timing, so results are reproducible.  Every chunk has
-    at least ``crossover`` rows, so it takes the same kernel as the whole.
-    """
-    cdef Py_ssize_t n = s.n_rows
-    cdef double row_flops, need
-    cdef Py_ssize_t rows_per_chunk, n_chunks
-    if s.rank == 0 or n < p.crossover or n < 2 * p.min_rows:
-        return 1
-    row_flops = 2.0 * s.rank * (<double>d_in + d_out)
-    rows_per_chunk = p.min_rows if p.min_rows > p.crossover else p.crossover
-    need = p.min_flops / row_flops
-    if need > <double>n:
-        return 1  # (also keeps the cast below in range)
-    if <double>rows_per_chunk < need:
-        rows_per_chunk = <Py_ssize_t>need
-        if <double>rows_per_chunk < need:
-            rows_per_chunk += 1
-    n_chunks = n // rows_per_chunk
-    if n_chunks > _MAX_CHUNKS:
-        n_chunks = _MAX_CHUNKS
-    return n_chunks if n_chunks >= 2 else 1
-
-
-cdef inline bint _may_split(int nthreads) noexcept nogil:
-    return nthreads > 1 and lorahook_blas_threads() <= 1
-
-
-cdef Py_ssize_t _fill_items(const Segment *s, Py_ssize_t n_chunks, WorkItem *items) noexcept nogil:
-    cdef Py_ssize_t c, n = s.n_rows
-    for c in range(n_chunks):
-        items[c].s = s
-        items[c].k0 = n * c // n_chunks
-        items[c].k1 = n * (c + 1) // n_chunks
-    return n_chunks
-
-
-cdef int _run_job(const WorkItem *items, Py_ssize_t n_items, const float *X, float *Y,
-                  int d_in, int d_out, const Plan *p) noexcept nogil:
-    cdef SplitJob job
-    job.items = items
-    job.n_items = n_items
-    job.X = X
-    job.Y = Y
-    job.d_in = d_in
-    job.d_out = d_out
-    job.crossover = p.crossover
-    job.next = 0
-    job.rc = 0
-    lorahook_pool_run(_split_caller, _split_helper, &job,
-                      p.nthreads - 1 if p.nthreads - 1 < n_items - 1 else <int>(n_items - 1))
-    return job.rc
-
-
-cdef int _run_segment_threads(const Segment *s, const float *X, float *Y, int d_in, int d_out,
-                              const Plan *p) noexcept nogil:
-    """``_run_segment``, with a large batched segment split over lorahook's threads.
-
-    With ``nthreads == 1`` (or a multi-threaded BLAS underneath) this is
-    exactly ``_run_segment``.  Otherwise the chunking depends only on the
-    segment's shape, so every ``nthreads >= 2`` gives the same bits, and a
-    call that finds the helpers busy runs the same chunks on its own thread.
-    """
-    cdef WorkItem items[_MAX_CHUNKS]
-    cdef Py_ssize_t n_chunks = _chunks_for(s, d_in, d_out, p)
-    if n_chunks < 2 or not _may_split(p.nthreads):
-        return _run_segment(s, X, Y, d_in, d_out, p.crossover)
-    _fill_items(s, n_chunks, items)
-    return _run_job(items, n_chunks, X, Y, d_in, d_out, p)
-
-
-cdef int _run_groups(const Segment *segs, Py_ssize_t ng, bint disjoint, WorkItem *items,
-                     const float *X, float *Y, int d_in, int d_out, const Plan *p) noexcept nogil:
-    """Run every segment of a grouped call.
-
-    When no two segments share a row, all of them (large ones cut into their
-    chunks) form one job, so a batch of many small adapter groups still uses
-    the helpers.  Otherwise segments run one after the other, each split on
-    its own, so two updates of one row never race.  ``items`` has room for
-    ``ng * _MAX_CHUNKS`` entries.
-    """
-    cdef Py_ssize_t g, n_items = 0, rows = 0
-    cdef double flops = 0.0
-    cdef int rc = 0
-    if disjoint and _may_split(p.nthreads):
-        for g in range(ng):
-            n_items += _fill_items(&segs[g], _chunks_for(&segs[g], d_in, d_out, p),
-                                   items + n_items)
-            rows += segs[g].n_rows
-            flops += _segment_flops(&segs[g], d_in, d_out)
-        if n_items >= 2 and rows >= 2 * p.min_rows and flops >= 2.0 * p.min_flops:
-            return _run_job(items, n_items, X, Y, d_in, d_out, p)
-    for g in range(ng):
-        rc = _run_segment_threads(&segs[g], X, Y, d_in, d_out, p)
-        if rc != 0:
-            return rc
-    return 0
-
-
 cdef inline cnp.ndarray _checked_rows_buffer(object arr, Py_ssize_t n, Py_ssize_t width,
                                              str name, bint writable):
     _check_type(arr, name)
@@ -756,10 +766,18 @@ cdef inline cnp.ndarray _checked_rows_buffer(object arr, Py_ssize_t n, Py_ssize_
     return a
 
 
+cdef inline cnp.ndarray _checked_output(object input, object output, Py_ssize_t n,
+                                        Py_ssize_t d_in, Py_ssize_t d_out):
+    cdef cnp.ndarray x = _checked_rows_buffer(input, n, d_in, "input", False)
+    cdef cnp.ndarray y = _checked_rows_buffer(output, n, d_out, "output", True)
+    _refuse_overlap(x, y)
+    return y
+
+
 def apply_layer(LayerKernel layer not None, input, output, Py_ssize_t n_rows):
     """Add one layer's delta to ``n_rows`` rows (widths are the layer's)."""
-    _run_layer(layer, _checked_rows_buffer(input, n_rows, layer.d_in, "input", False),
-               _checked_rows_buffer(output, n_rows, layer.d_out, "output", True), n_rows)
+    y = _checked_output(input, output, n_rows, layer.d_in, layer.d_out)
+    _run_layer(layer, <cnp.ndarray>input, y, n_rows)
 
 
 cdef int _run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_rows) except -1:
@@ -767,28 +785,33 @@ cdef int _run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t 
     cdef Segment seg
     layer.fill(&seg)
     seg.n_rows = n_rows
-    return _run_segments(&seg, 1, True, x, y, layer.d_in, layer.d_out)
+    return _run_segments(&seg, 1, x, y, layer.d_in, layer.d_out)
 
 
-cdef int _run_segments(const Segment *segs, Py_ssize_t ng, bint disjoint, cnp.ndarray x,
-                       cnp.ndarray y, int d_in, int d_out) except -1:
-    """Run segments on checked buffers with the GIL released (the one way into the kernels)."""
-    # work items are per call, so concurrent calls over the same segments share nothing
-    cdef WorkItem one[_MAX_CHUNKS]
-    cdef WorkItem *items = one
-    items_obj = None
-    if ng > 1:
-        items_obj = bytearray(ng * _MAX_CHUNKS * sizeof(WorkItem))
-        items = <WorkItem *><char *>items_obj
+cdef int _run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.ndarray y,
+                       int d_in, int d_out) except -1:
+    """Run segments one after the other on checked buffers, with the GIL released.
+
+    The one way into the kernels.  Segments run in order on the calling
+    thread, so two updates of one row never race.
+    """
+    global _batched_seen
     cdef const float *X = <const float *>cnp.PyArray_DATA(x)
     cdef float *Y = <float *>cnp.PyArray_DATA(y)
-    cdef int rc
-    cdef Plan plan
-    _plan(&plan)
+    cdef Py_ssize_t g, crossover = _gemm_crossover
+    cdef int rc = 0
+    if not _batched_seen:
+        for g in range(ng):
+            if segs[g].rank > 0 and segs[g].n_rows >= crossover:
+                _batched_seen = True
+                if _first_batched is not None:
+                    _first_batched()
+                break
     with nogil:
-        lorahook_enter()
-        rc = _run_groups(segs, ng, disjoint, items, X, Y, d_in, d_out, &plan)
-        lorahook_leave()
+        for g in range(ng):
+            rc = _run_segment(&segs[g], X, Y, d_in, d_out, crossover)
+            if rc != 0:
+                break
     if rc != 0:
         raise MemoryError("lorahook could not allocate its scratch buffer")
     return 0
@@ -823,7 +846,6 @@ cdef class GroupPlan:
     cdef readonly Py_ssize_t n_rows
     cdef readonly int d_in
     cdef readonly int d_out
-    cdef bint _disjoint
 
     def __cinit__(self, list groups not None, Py_ssize_t n_rows, Py_ssize_t d_in, Py_ssize_t d_out):
         cdef Py_ssize_t g, m, i
@@ -855,12 +877,7 @@ cdef class GroupPlan:
         self._ng = len(owned)
         self._segs_obj = bytearray(self._ng * sizeof(Segment))
         self._segs = <Segment *><char *>self._segs_obj
-        # which rows some group already claimed: groups on disjoint rows may
-        # run on several threads at once
-        claimed_obj = bytearray(n_rows)
-        cdef unsigned char *claimed = <unsigned char *><char *>claimed_obj
         cdef Segment *seg
-        self._disjoint = True
         for g in range(self._ng):
             layer, scale, rows_obj, rs_obj = owned[g]
             if layer.d_in != d_in or layer.d_out != d_out:
@@ -873,7 +890,6 @@ cdef class GroupPlan:
             if rows_obj is None:
                 seg.n_rows = n_rows
                 m = n_rows
-                self._disjoint = self._disjoint and self._ng == 1
             else:
                 rows = <cnp.ndarray>rows_obj
                 m = cnp.PyArray_DIM(rows, 0)
@@ -882,9 +898,6 @@ cdef class GroupPlan:
                     if rp[i] < 0 or rp[i] >= n_rows or (i > 0 and rp[i] <= rp[i - 1]):
                         raise ValueError(
                             f"group {g}: rows must be strictly ascending indices in [0, {n_rows})")
-                    if claimed[rp[i]]:
-                        self._disjoint = False
-                    claimed[rp[i]] = 1
                 seg.rows = rp
                 seg.n_rows = m
             if rs_obj is not None:
@@ -897,13 +910,13 @@ cdef class GroupPlan:
 
     def apply(self, input, output):
         """Add every group's delta to the plan's ``n_rows`` rows of ``output`` in place."""
-        self._run(_checked_rows_buffer(input, self.n_rows, self.d_in, "input", False),
-                  _checked_rows_buffer(output, self.n_rows, self.d_out, "output", True))
+        y = _checked_output(input, output, self.n_rows, self.d_in, self.d_out)
+        self._run(<cnp.ndarray>input, y)
 
     cdef int _run(self, cnp.ndarray x, cnp.ndarray y) except -1:
         if self._ng == 0 or self.n_rows == 0:
             return 0
-        return _run_segments(self._segs, self._ng, self._disjoint, x, y, self.d_in, self.d_out)
+        return _run_segments(self._segs, self._ng, x, y, self.d_in, self.d_out)
 
 
 def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
@@ -918,6 +931,5 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
     ``GroupPlan(groups, n_rows, d_in, d_out).apply(input, output)``, with the
     buffers checked first.
     """
-    cdef cnp.ndarray x = _checked_rows_buffer(input, n_rows, d_in, "input", False)
-    cdef cnp.ndarray y = _checked_rows_buffer(output, n_rows, d_out, "output", True)
-    (<GroupPlan>GroupPlan(groups, n_rows, d_in, d_out))._run(x, y)
+    y = _checked_output(input, output, n_rows, d_in, d_out)
+    (<GroupPlan>GroupPlan(groups, n_rows, d_in, d_out))._run(<cnp.ndarray>input, y)

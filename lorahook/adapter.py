@@ -32,8 +32,8 @@ def _finite_scale(value, name):
     return value
 
 
-def _owned_float32(value, name, ndim):
-    """Copy ``value`` once into a read-only float32 C-contiguous array."""
+def _owned_float32(value, name, ndim, transpose=False):
+    """Copy ``value`` (transposed, with ``transpose``) once into a read-only float32 C-contiguous array."""
     arr = np.asarray(value)
     if arr.dtype.kind not in "fiu" or arr.dtype.kind == "b":
         raise TypeError(f"{name} must hold real numbers, got dtype {arr.dtype}")
@@ -42,7 +42,7 @@ def _owned_float32(value, name, ndim):
     if any(d > _INT_MAX for d in arr.shape):
         raise ValueError(f"{name} dimensions must each be at most {_INT_MAX}, got {arr.shape}")
     with np.errstate(over="ignore"):
-        out = np.array(arr, dtype=np.float32, order="C", copy=True)
+        out = np.array(arr.T if transpose else arr, dtype=np.float32, order="C", copy=True)
     if not np.isfinite(out).all():
         bad = int(np.size(out) - np.count_nonzero(np.isfinite(out)))
         raise ValueError(
@@ -58,74 +58,83 @@ class LoraLayer:
     ``a`` is ``(rank, d_in)``, ``b`` is ``(d_out, rank)`` (the PEFT layout of
     ``lora_A.weight`` / ``lora_B.weight``), ``bias`` an optional ``(d_out,)``
     vector (PEFT's ``lora_bias``, scaled like the product).  Each array is
-    copied once into a float32 C-contiguous array the layer owns, marked
-    read-only.  Rank 0 (without bias) is allowed and applies nothing.
+    copied once into a float32 array the layer owns, marked read-only.  ``B``
+    is kept in one layout only, ``B^T`` row-major, which is what the kernels
+    read: :attr:`b` is a read-only ``(d_out, rank)`` view of it (F-contiguous),
+    so the layer holds each value once (:attr:`nbytes`).  Rank 0 (without
+    bias) is allowed and applies nothing.
     """
 
-    __slots__ = ("_a", "_b", "_scale", "_bias", "_kernel")
+    __slots__ = ("_a", "_bt", "_scale", "_bias", "_kernel")
 
     def __init__(self, a, b, scale=1.0, bias=None):
         a = _owned_float32(a, "a", 2)
-        b = _owned_float32(b, "b", 2)
+        b = _owned_float32(b, "b", 2, transpose=True)  # stored as B^T
         scale = _finite_scale(scale, "scale")
-        if a.shape[0] != b.shape[1]:
+        if a.shape[0] != b.shape[0]:
             raise ValueError(
                 f"ranks disagree: a has shape {a.shape} (rank {a.shape[0]}), "
-                f"b has shape {b.shape} (rank {b.shape[1]})")
-        if a.shape[1] < 1 or b.shape[0] < 1:
+                f"b has shape {b.T.shape} (rank {b.shape[0]})")
+        if a.shape[1] < 1 or b.shape[1] < 1:
             raise ValueError(
-                f"d_in and d_out must be >= 1, got a of shape {a.shape} and b of shape {b.shape}")
+                f"d_in and d_out must be >= 1, got a of shape {a.shape} and b of shape {b.T.shape}")
         if bias is not None:
             bias = _owned_float32(bias, "bias", 1)
-            if bias.shape[0] != b.shape[0]:
+            if bias.shape[0] != b.shape[1]:
                 raise ValueError(
-                    f"bias must have shape ({b.shape[0]},) to match b's d_out, got {bias.shape}")
+                    f"bias must have shape ({b.shape[1]},) to match b's d_out, got {bias.shape}")
             if a.shape[0] == 0:
                 raise ValueError("a rank-0 layer cannot carry a bias")
         self._init(a, b, scale, bias)
 
-    def _init(self, a, b, scale, bias):
+    def _init(self, a, bt, scale, bias):
         object.__setattr__(self, "_a", a)
-        object.__setattr__(self, "_b", b)
+        object.__setattr__(self, "_bt", bt)
         object.__setattr__(self, "_scale", scale)
         object.__setattr__(self, "_bias", bias)
-        object.__setattr__(self, "_kernel", _rows.LayerKernel(a, b, scale, bias))
+        object.__setattr__(self, "_kernel", _rows.LayerKernel(a, bt, scale, bias))
 
     @classmethod
-    def _trusted(cls, a, b, scale, bias):
+    def _trusted(cls, a, bt, scale, bias):
         # For arrays that already belong to a validated layer: no copy.
         self = cls.__new__(cls)
-        self._init(a, b, float(scale), bias)
+        self._init(a, bt, float(scale), bias)
         return self
 
     def __setattr__(self, name, value):
         raise AttributeError("LoraLayer is immutable")
 
     def __reduce__(self):
-        return (LoraLayer._trusted, (self._a, self._b, self._scale, self._bias))
-
-    def __setstate__(self, state):  # pragma: no cover - not used by __reduce__
-        raise TypeError("LoraLayer has no state to set")
+        return (_layer_from_pickle, (self._a, self._bt, self._scale, self._bias))
 
     a = property(lambda self: self._a, doc="``(rank, d_in)`` float32, read-only.")
-    b = property(lambda self: self._b, doc="``(d_out, rank)`` float32, read-only.")
+    b = property(lambda self: self._bt.T,
+                 doc="``(d_out, rank)`` float32, a read-only view of the kept ``B^T``.")
     scale = property(lambda self: self._scale, doc="The layer's scale (float).")
     bias = property(lambda self: self._bias, doc="``(d_out,)`` float32 or ``None``.")
     rank = property(lambda self: self._a.shape[0])
     d_in = property(lambda self: self._a.shape[1])
-    d_out = property(lambda self: self._b.shape[0])
+    d_out = property(lambda self: self._bt.shape[1])
 
     @property
     def num_parameters(self):
-        return self._a.size + self._b.size + (0 if self._bias is None else self._bias.size)
+        return self._a.size + self._bt.size + (0 if self._bias is None else self._bias.size)
+
+    def _arrays(self):
+        return (self._a, self._bt) if self._bias is None else (self._a, self._bt, self._bias)
+
+    @property
+    def nbytes(self):
+        """Bytes of the arrays the layer keeps (``a``, ``B^T``, ``bias``)."""
+        return sum(arr.nbytes for arr in self._arrays())
 
     def with_scale(self, scale):
         """The same arrays with another scale (no copy)."""
-        return LoraLayer._trusted(self._a, self._b, _finite_scale(scale, "scale"), self._bias)
+        return LoraLayer._trusted(self._a, self._bt, _finite_scale(scale, "scale"), self._bias)
 
     def delta_weight(self):
         """``scale * B @ A`` as a float32 ``(d_out, d_in)`` array."""
-        out = self._b @ self._a
+        out = self.b @ self._a
         out *= np.float32(self._scale)
         return out
 
@@ -133,6 +142,28 @@ class LoraLayer:
         bias = ", bias" if self._bias is not None else ""
         return (f"LoraLayer(rank={self.rank}, d_in={self.d_in}, d_out={self.d_out}, "
                 f"scale={self._scale:g}{bias})")
+
+
+def _read_only(arr, name, ndim):
+    """An unpickled array as the layer keeps it: float32, contiguous, read-only.
+
+    Arrays that arrive that way (protocol-5 buffers included) are kept as they
+    are, without a copy; anything else is refused.
+    """
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.ndim != ndim \
+            or not arr.flags.c_contiguous or not arr.dtype.isnative:
+        raise TypeError(f"unpickled LoraLayer: {name} must be a native float32 C-contiguous "
+                        f"{ndim}-D array, got {type(arr).__name__} "
+                        f"{getattr(arr, 'dtype', '')} {getattr(arr, 'shape', '')}")
+    if arr.flags.writeable:
+        arr.flags.writeable = False
+    return arr
+
+
+def _layer_from_pickle(a, bt, scale, bias):
+    bias = None if bias is None else _read_only(bias, "bias", 1)
+    return LoraLayer._trusted(_read_only(a, "a", 2), _read_only(bt, "bt", 2),
+                              _finite_scale(scale, "scale"), bias)
 
 
 def _check_key(key):
@@ -159,33 +190,40 @@ def _str_mapping(value, name):
     return out
 
 
-class LoraAdapter(LoraHook):
+class LoraAdapter(_rows.KernelSource, LoraHook):
     """An immutable set of LoRA layers keyed by ``(layer_idx, module)``.
 
-    A :class:`~lorahook.LoraHook` that runs in the compiled core: for a
+    A :class:`~lorahook.LoraHook` that runs in the compiled core: it is a
+    kernel table of the core (``lorahook._rows.KernelSource``), so for a
     projection it covers, :func:`~lorahook.apply_lora_rows` adds
     ``scale * B @ (A @ x)`` (+ ``scale * bias``) to every row with the GIL
     released; for any other projection it is inactive.  Safe to share between
-    threads, and picklable.
+    threads, and picklable (arrays stay read-only after unpickling, with any
+    protocol).
+
+    Subclasses may override :meth:`is_active` (asked first, then the kernels
+    run) or :meth:`apply` (then every row goes through ``apply``, the generic
+    path).
 
     ``module_paths`` optionally records each key's module path in the base
     model (``model.layers.3.self_attn.q_proj``), so that
     :meth:`save_peft` writes an adapter back where it came from.
     """
 
-    __slots__ = ("_layers", "_name", "_metadata", "_module_paths", "_view", "_kernels")
+    __slots__ = ("_layers", "_name", "_metadata", "_module_paths", "_view")
 
-    # Subclasses that override apply() are served by the generic row loop.
-    _native = True
-    # With is_active and _apply_rows also its own, apply_lora_rows looks the
-    # kernel up in _kernels itself (one lookup, no second buffer check).
-    _fused = True
+    # How apply_lora_rows runs this class (see lorahook._rows): 0 the kernels
+    # alone, 1 the class's own is_active first, 2 its own apply per row.
+    _core_mode = 0
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls._native = cls.apply is LoraAdapter.apply
-        cls._fused = (cls._native and cls.is_active is LoraAdapter.is_active
-                      and cls._apply_rows is LoraAdapter._apply_rows)
+        if cls.apply is not LoraAdapter.apply:
+            cls._core_mode = 2
+        elif cls.is_active is not LoraAdapter.is_active:
+            cls._core_mode = 1
+        else:
+            cls._core_mode = 0
 
     def __init__(self, layers, name=None, metadata=None, *, module_paths=None):
         checked = {}
@@ -207,9 +245,9 @@ class LoraAdapter(LoraHook):
                 raise TypeError(f"module path for {key!r} must be a str, got {type(path).__name__}")
             paths[key] = path
         object.__setattr__(self, "_layers", checked)
-        # the kernels of the keys is_active is true for (rank > 0)
-        object.__setattr__(self, "_kernels", {key: layer._kernel for key, layer in checked.items()
-                                              if layer.rank > 0})
+        # the core's kernel table: the keys is_active is true for (rank > 0)
+        self._set_table({key: layer._kernel for key, layer in checked.items() if layer.rank > 0},
+                        type(self)._core_mode)
         object.__setattr__(self, "_view", MappingProxyType(checked))
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_metadata", _str_mapping(metadata, "metadata"))
@@ -223,27 +261,7 @@ class LoraAdapter(LoraHook):
                                    dict(self._metadata), dict(self._module_paths)))
 
     # --- the hook contract -------------------------------------------------
-
-    def is_active(self, layer_idx, module):
-        return (layer_idx, module) in self._kernels
-
-    def _layer_for_call(self, layer_idx, module, d_in, d_out):
-        layer = self._layers.get((layer_idx, module))
-        if layer is not None and (layer.d_in != d_in or layer.d_out != d_out):
-            raise ValueError(
-                f"adapter layer ({layer_idx}, {module!r}) has (d_in, d_out) = "
-                f"({layer.d_in}, {layer.d_out}) but the call's row widths are "
-                f"(input_row_width, output_row_width) = ({d_in}, {d_out})")
-        return layer
-
-    def _apply_rows(self, layer_idx, module, input, output, input_row_width,
-                    output_row_width, n_rows):
-        if not self._native:
-            return LoraHook._apply_rows(self, layer_idx, module, input, output,
-                                        input_row_width, output_row_width, n_rows)
-        layer = self._layer_for_call(layer_idx, module, input_row_width, output_row_width)
-        if layer is not None and layer.rank > 0:
-            _rows.apply_layer(layer._kernel, input, output, n_rows)
+    # is_active comes from the core: true exactly for the keys held with rank > 0.
 
     def apply(self, layer_idx, module, x, output):
         """Add the delta for one row: ``x`` has ``d_in`` values, ``output`` ``d_out``."""
@@ -278,6 +296,15 @@ class LoraAdapter(LoraHook):
     @property
     def num_parameters(self):
         return sum(layer.num_parameters for layer in self._layers.values())
+
+    @property
+    def nbytes(self):
+        """Bytes of every array the adapter keeps, each array counted once (an ``int``)."""
+        seen = {}
+        for layer in self._layers.values():
+            for arr in layer._arrays():
+                seen[id(arr)] = arr.nbytes
+        return int(sum(seen.values()))
 
     def keys(self):
         """The keys in sorted ``(layer_idx, module)`` order."""
@@ -363,52 +390,55 @@ class LoraAdapter(LoraHook):
             raise KeyError(f"the adapter holds no layer for ({layer_idx}, {module!r})") from None
         return layer.delta_weight()
 
-    def _check_merge_targets(self, weights, biases):
+    def _merge_targets(self, weights, biases):
+        """Every target array, read once from the mappings and checked before any write.
+
+        Returns ``[(key, layer, weight, bias_or_None)]`` in sorted key order.
+        """
         missing = [k for k in sorted(self._layers) if k not in weights]
         if missing:
             raise KeyError(f"weights has no entry for adapter keys {missing}")
+        targets = []
         for key in sorted(self._layers):
             layer = self._layers[key]
             w = weights[key]
-            if not isinstance(w, np.ndarray) or w.dtype != np.float32:
-                raise TypeError(f"weights[{key!r}] must be a float32 ndarray, got "
-                                f"{type(w).__name__} {getattr(w, 'dtype', '')}")
-            if w.shape != (layer.d_out, layer.d_in):
-                raise ValueError(f"weights[{key!r}] must have shape (d_out, d_in) = "
-                                 f"{(layer.d_out, layer.d_in)}, got {w.shape}")
-            if not w.flags.writeable:
-                raise ValueError(f"weights[{key!r}] must be writable")
+            _check_target(w, f"weights[{key!r}]", (layer.d_out, layer.d_in))
+            bv = None
             if layer.bias is not None:
                 if biases is None or key not in biases:
                     raise KeyError(f"layer {key!r} has a lora_bias: biases must hold a base bias for it")
                 bv = biases[key]
-                if not isinstance(bv, np.ndarray) or bv.dtype != np.float32:
-                    raise TypeError(f"biases[{key!r}] must be a float32 ndarray, got "
-                                    f"{type(bv).__name__} {getattr(bv, 'dtype', '')}")
-                if bv.shape != (layer.d_out,) or not bv.flags.writeable:
-                    raise ValueError(f"biases[{key!r}] must be a writable float32 array of shape "
-                                     f"({layer.d_out},), got {getattr(bv, 'shape', type(bv).__name__)}")
+                _check_target(bv, f"biases[{key!r}]", (layer.d_out,))
+            targets.append((key, layer, w, bv))
+        _refuse_aliases([(f"weights[{key!r}]", w) for key, _, w, _ in targets]
+                        + [(f"biases[{key!r}]", bv) for key, _, _, bv in targets if bv is not None])
+        return targets
 
     def _merge(self, weights, biases, sign):
-        self._check_merge_targets(weights, biases)
-        for key in sorted(self._layers):
-            layer = self._layers[key]
-            delta = layer.delta_weight()
-            if sign > 0:
-                weights[key] += delta
-            else:
-                weights[key] -= delta
-            if layer.bias is not None:
-                b = layer.bias * np.float32(layer.scale)
-                if sign > 0:
-                    biases[key] += b
-                else:
-                    biases[key] -= b
+        targets = self._merge_targets(weights, biases)
+        if not targets:
+            return
+        # One scratch buffer, allocated before the first write, holds each
+        # delta in turn: once the checks pass nothing is left to fail.
+        scratch = np.empty(max(t[2].size for t in targets), dtype=np.float32)
+        update = np.add if sign > 0 else np.subtract
+        for key, layer, w, bv in targets:
+            delta = scratch[:w.size].reshape(w.shape)
+            np.matmul(layer.b, layer.a, out=delta)
+            delta *= np.float32(layer.scale)
+            update(w, delta, out=w)
+            if bv is not None:
+                update(bv, layer.bias * np.float32(layer.scale), out=bv)
 
     def merge_into(self, weights, biases=None):
         """Add every key's delta into ``weights[key]`` (float32 ``(d_out, d_in)``) in place.
 
-        All keys and shapes are checked before the first weight is touched.
+        All or nothing: every key, type, shape and writability is checked, and
+        targets that share memory (the same array under two keys, or views of
+        one another) are refused, before the first weight is touched.  The
+        arrays are updated in place and never assigned through the mappings,
+        so a mapping that refuses assignment works and sees its own arrays
+        change.
         """
         self._merge(weights, biases, +1)
 
@@ -419,6 +449,39 @@ class LoraAdapter(LoraHook):
     def __repr__(self):
         name = f"{self._name!r}, " if self._name else ""
         return f"LoraAdapter({name}{len(self._layers)} layers, {self.num_parameters} parameters)"
+
+
+def _check_target(arr, what, shape):
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32:
+        raise TypeError(f"{what} must be a float32 ndarray, got "
+                        f"{type(arr).__name__} {getattr(arr, 'dtype', '')}")
+    if arr.shape != shape:
+        raise ValueError(f"{what} must have shape {shape}, got {arr.shape}")
+    if not arr.flags.writeable:
+        raise ValueError(f"{what} must be writable, got a read-only array")
+
+
+def _byte_span(arr):
+    """``(first, end)`` addresses of the bytes a non-empty array spans."""
+    lo = hi = arr.__array_interface__["data"][0]
+    for n, stride in zip(arr.shape, arr.strides):
+        step = (n - 1) * stride
+        lo, hi = (lo + step, hi) if step < 0 else (lo, hi + step)
+    return lo, hi + arr.itemsize
+
+
+def _refuse_aliases(named):
+    """``ValueError`` when two of the ``(what, array)`` targets share memory."""
+    spans = sorted((_byte_span(arr), i) for i, (_, arr) in enumerate(named) if arr.size)
+    reach = None  # the highest end of the spans seen so far
+    for j, ((lo, hi), i) in enumerate(spans):
+        if reach is not None and lo < reach:
+            # some earlier byte range overlaps: check those exactly
+            for (_, hi_k), k in spans[:j]:
+                if hi_k > lo and np.shares_memory(named[k][1], named[i][1]):
+                    raise ValueError(f"{named[k][0]} and {named[i][0]} share memory: each "
+                                     f"target must be its own array, got the same memory twice")
+        reach = hi if reach is None else max(reach, hi)
 
 
 def _rebuild_adapter(cls, layers, name, metadata, module_paths):

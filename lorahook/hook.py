@@ -21,13 +21,11 @@ class LoraHook(ABC):
     calls :meth:`apply` once per row, in row order, with ``x`` a read-only
     1-D float32 view of the input row and ``output`` a writable 1-D float32
     view aliasing the caller's output row.
+
+    A class registered with ``LoraHook.register`` is a hook too: it gets the
+    same per-row path, and one without ``is_active`` counts as active for
+    every projection.
     """
-
-    #: Row count a batch-bound hook was made for (``None``: any batch).
-    _bound_rows = None
-
-    #: True for hooks whose kernels the core may look up itself (``_kernels``).
-    _fused = False
 
     @abstractmethod
     def apply(self, layer_idx, module, x, output):
@@ -55,16 +53,6 @@ class LoraHook(ABC):
         read without side effects.  The default trusts the caller.
         """
         return None
-
-    def _apply_rows(self, layer_idx, module, input, output, input_row_width,
-                    output_row_width, n_rows):
-        # The generic path: one apply() per row, on views of the caller's arrays.
-        rows_in = input.reshape(n_rows, input_row_width).view()
-        rows_in.flags.writeable = False
-        rows_out = output.reshape(n_rows, output_row_width)
-        apply = self.apply
-        for i in range(n_rows):
-            apply(layer_idx, module, rows_in[i], rows_out[i])
 
 
 class NoopLoraHook(LoraHook):

@@ -43,7 +43,7 @@ from . import _rows
 from .adapter import LoraAdapter
 from .hook import LoraHook
 
-__all__ = ["AdapterSet", "BoundBatch"]
+__all__ = ["AdapterSet", "BoundBatch", "BoundSequences"]
 
 _EMPTY = MappingProxyType({})
 
@@ -94,10 +94,11 @@ class _Installed:
 
     def __init__(self, adapter):
         self.adapter = adapter
-        # The distinct scales of the layers that apply something: a batch's
-        # per-row scales are multiplied by each of them once, at bind time.
+        # The distinct scales of the kernels that apply something (float32
+        # values, as the core keys them): a batch's per-row scales are
+        # multiplied by each of them once, at bind time.
         self.layer_scales = tuple(sorted(
-            {layer.scale for layer in adapter.layers.values() if layer.rank > 0}))
+            {layer._kernel.scale for layer in adapter.layers.values() if layer.rank > 0}))
 
 
 class AdapterSet:
@@ -226,46 +227,76 @@ class AdapterSet:
 
         The hook is a snapshot of the adapters installed now.  Passing it
         to :func:`~lorahook.apply_lora_rows` with a different row count
-        raises ``ValueError``.
+        raises ``ValueError``.  Binding is cheap (rows are grouped by
+        adapter once; each projection's plan is made on its first call), so a
+        server may bind once per step of a packed, continuous batch.
+        """
+        names, parts = self._bind_parts(row_adapters, scales, "row_adapters", "row")
+        return BoundBatch._make(names, parts)
+
+    def bind_sequences(self, seq_adapters, scales=None):
+        """A hook for every call of a generation loop over ``len(seq_adapters)`` sequences.
+
+        ``seq_adapters`` gives, per sequence, an installed adapter name or
+        ``None``; ``scales`` is as in :meth:`bind`, per sequence.  The hook
+        serves any call whose row count ``n`` is a multiple of
+        ``S = len(seq_adapters)``, rows laid out sequence-major: row ``r``
+        belongs to sequence ``r // (n // S)``.  So one hook serves the
+        prefill (``S * L`` rows) and every decode step (``S`` rows).  A row
+        count that is not a multiple of ``S`` raises ``ValueError`` naming
+        both numbers, as a call check (before ``is_active``, nothing
+        written).  Snapshot, ``None`` and zero-scale semantics as
+        :meth:`bind`; the plan of each projection is made once per rows-per-
+        sequence count and kept (the last few counts).
+        """
+        names, parts = self._bind_parts(seq_adapters, scales, "seq_adapters", "sequence")
+        return BoundSequences._make(names, parts)
+
+    def _bind_parts(self, unit_names, scales, what, unit):
+        """Check a bind's names and scales; group the units by adapter.
+
+        Returns the names as a tuple and the core's parts: per adapter used
+        with a non-zero scale, ``(name, adapter, {kernel scale: (scale,
+        unit indices or None, unit scales or None)})``.
         """
         installed = self._installed  # one read: the snapshot
-        if isinstance(row_adapters, (str, bytes)) or not hasattr(row_adapters, "__len__"):
+        if isinstance(unit_names, (str, bytes)) or not hasattr(unit_names, "__len__"):
             raise TypeError(
-                f"row_adapters must be a sequence of adapter names or None, "
-                f"got {type(row_adapters).__name__}")
-        row_names = tuple(row_adapters)
-        n = len(row_names)
+                f"{what} must be a sequence of adapter names or None, "
+                f"got {type(unit_names).__name__}")
+        names = tuple(unit_names)
+        n = len(names)
         unknown = set()
-        for i, name in enumerate(row_names):
+        for i, name in enumerate(names):
             if name is None:
                 continue
             if not isinstance(name, str):
                 raise TypeError(
-                    f"row_adapters[{i}] must be an adapter name (str) or None, "
+                    f"{what}[{i}] must be an adapter name (str) or None, "
                     f"got {type(name).__name__} ({name!r})")
             if name not in installed:
                 unknown.add(name)
-        _refuse_unknown("row_adapters", unknown, installed)
-        factors = _row_factors(scales, row_names, installed)
+        _refuse_unknown(what, unknown, installed)
+        factors = _row_factors(scales, names, installed, what, unit)
 
-        # Group the rows by adapter, rows with a zero factor left out.
+        # Group the units by adapter, units with a zero factor left out.
         grouped = {}
-        for i, name in enumerate(row_names):
+        for i, name in enumerate(names):
             if name is not None and factors[i] != 0.0:
                 grouped.setdefault(name, []).append(i)
-        plans = {}
+        parts = []
         all_factors = np.asarray(factors, dtype=np.float64)
-        for name, rows in grouped.items():
+        for name, idx in grouped.items():
             entry = installed[name]
-            rows = np.asarray(rows, dtype=np.int64)
-            f = all_factors[rows]
+            idx = np.asarray(idx, dtype=np.int64)
+            f = all_factors[idx]
             per_scale = {}
             for s in entry.layer_scales:
-                group = _group_for_scale(name, s, rows, f, n)
+                group = _group_for_scale(name, s, idx, f, n)
                 if group is not None:
                     per_scale[s] = group
-            plans[name] = (entry.adapter, per_scale)
-        return BoundBatch._make(row_names, plans, n)
+            parts.append((name, entry.adapter, per_scale))
+        return names, parts
 
 
 def _refuse_unknown(what, unknown, installed):
@@ -275,8 +306,8 @@ def _refuse_unknown(what, unknown, installed):
             f"(installed: {sorted(installed)})")
 
 
-def _row_factors(scales, row_names, installed):
-    """One float per row from the ``scales`` argument of :meth:`AdapterSet.bind`."""
+def _row_factors(scales, row_names, installed, what="row_adapters", unit="row"):
+    """One float per row (or sequence) from the ``scales`` argument of a bind."""
     n = len(row_names)
     if scales is None:
         return [1.0] * n
@@ -300,22 +331,22 @@ def _row_factors(scales, row_names, installed):
         return [value] * n
     if isinstance(scales, (str, bytes)) or not hasattr(scales, "__len__"):
         raise TypeError(
-            f"scales must be None, a real number, a sequence of one per row or a "
+            f"scales must be None, a real number, a sequence of one per {unit} or a "
             f"mapping name -> real, got {type(scales).__name__}")
     if isinstance(scales, np.ndarray) and scales.ndim != 1:
-        raise ValueError(f"scales must be 1-D with one value per row, got shape {scales.shape}")
+        raise ValueError(f"scales must be 1-D with one value per {unit}, got shape {scales.shape}")
     values = scales.tolist() if isinstance(scales, np.ndarray) else list(scales)
     if len(values) != n:
         raise ValueError(
-            f"scales must have one value per row: expected {n} (len(row_adapters)), "
+            f"scales must have one value per {unit}: expected {n} (len({what})), "
             f"got {len(values)}")
     return [_finite(v, f"scales[{i}]") for i, v in enumerate(values)]
 
 
-def _group_for_scale(name, layer_scale, rows, factors, n_rows):
-    """The ``(scale, rows, row_scales)`` of one adapter's rows for layers of one scale.
+def _group_for_scale(name, layer_scale, idx, factors, n_units):
+    """The ``(scale, unit indices, unit scales)`` of one adapter's units for kernels of one scale.
 
-    ``None`` when no row has a non-zero effective scale.  The effective
+    ``None`` when no unit has a non-zero effective scale.  The effective
     scales are rounded to float32 (what the kernel uses) before the zero
     test, so a row is never touched by a scale that rounds to zero.
     """
@@ -329,20 +360,14 @@ def _group_for_scale(name, layer_scale, rows, factors, n_rows):
     if not keep.any():
         return None
     if not keep.all():
-        rows, eff = rows[keep], eff[keep]
-    if len(rows) == n_rows:
-        rows_arr = None  # every row, in order
-    else:
-        rows_arr = np.ascontiguousarray(rows, dtype=np.int32)
-        rows_arr.flags.writeable = False
+        idx, eff = idx[keep], eff[keep]
+    idx_arr = None if len(idx) == n_units else idx.astype(np.int32)  # None: every unit
     if (eff == eff[0]).all():
-        return (float(eff[0]), rows_arr, None)
-    eff = np.ascontiguousarray(eff)
-    eff.flags.writeable = False
-    return (1.0, rows_arr, eff)
+        return (float(eff[0]), idx_arr, None)
+    return (1.0, idx_arr, eff)
 
 
-class BoundBatch(LoraHook):
+class BoundBatch(_rows.KernelSource, LoraHook):
     """The hook :meth:`AdapterSet.bind` returns: one batch, one snapshot of adapters.
 
     Pass it to :func:`~lorahook.apply_lora_rows` after each projection of
@@ -356,114 +381,106 @@ class BoundBatch(LoraHook):
     It has no meaning for a lone row: :meth:`apply` raises ``TypeError``.
     """
 
-    __slots__ = ("_bound_rows", "_row_adapters", "_plans", "_cache", "_group_plans")
+    __slots__ = ("_names", "_adapters")
+    _exact_rows = True
 
     def __init__(self, *args, **kwargs):
-        raise TypeError("BoundBatch is made by AdapterSet.bind, not constructed directly")
+        raise TypeError(f"{type(self).__name__} is made by AdapterSet.bind or bind_sequences, "
+                        f"not constructed directly")
 
     @classmethod
-    def _make(cls, row_names, plans, n):
-        self = object.__new__(cls)
-        object.__setattr__(self, "_bound_rows", n)
-        object.__setattr__(self, "_row_adapters", row_names)
-        # name -> (adapter, {layer scale: (scale, rows, row_scales)})
-        object.__setattr__(self, "_plans", plans)
-        # (layer_idx, module) -> tuple of (name, layer, group); filled on first use
-        object.__setattr__(self, "_cache", {})
-        # (layer_idx, module) -> the compiled GroupPlan of those groups; made
-        # on the first call whose widths fit, so later calls only run kernels
-        object.__setattr__(self, "_group_plans", {})
+    def _make(cls, names, parts):
+        self = _rows.KernelSource.__new__(cls)
+        object.__setattr__(self, "_names", names)
+        object.__setattr__(self, "_adapters",
+                           MappingProxyType({name: adapter for name, adapter, _ in parts}))
+        self._set_units(parts, len(names), cls._exact_rows)
         return self
 
     def __setattr__(self, name, value):
-        raise AttributeError("BoundBatch is immutable")
+        raise AttributeError(f"{type(self).__name__} is immutable")
 
     def __reduce__(self):
-        raise TypeError("a BoundBatch belongs to one batch in one process and does not pickle; "
-                        "pickle the adapters and bind again")
+        raise TypeError(f"a {type(self).__name__} belongs to one process and does not pickle; "
+                        f"pickle the adapters and bind again")
 
     # --- introspection ------------------------------------------------------
 
     @property
     def n_rows(self):
         """The row count this batch was bound for."""
-        return self._bound_rows
+        return len(self._names)
 
     @property
     def row_adapters(self):
         """Per row, the adapter name or ``None`` (a tuple)."""
-        return self._row_adapters
+        return self._names
 
     @property
     def adapters(self):
-        """Read-only mapping name -> the adapter this batch applies (rows with non-zero scale)."""
-        return MappingProxyType({name: plan[0] for name, plan in self._plans.items()})
+        """Read-only mapping name -> the adapter this hook applies (units with non-zero scale)."""
+        return self._adapters
 
     def __repr__(self):
-        return f"BoundBatch({self._bound_rows} rows, adapters {sorted(self._plans)!r})"
+        return f"BoundBatch({len(self._names)} rows, adapters {sorted(self._adapters)!r})"
 
     # --- the hook contract -------------------------------------------------
-
-    def _covering(self, layer_idx, module):
-        key = (layer_idx, module)
-        found = self._cache.get(key)
-        if found is None:
-            items = []
-            for name, (adapter, per_scale) in self._plans.items():
-                layer = adapter.layers.get(key)
-                if layer is None or layer.rank == 0:
-                    continue
-                group = per_scale.get(layer.scale)
-                if group is not None:
-                    items.append((name, layer, group))
-            found = tuple(items)
-            # Concurrent fills compute the same value; the last one wins.
-            self._cache[key] = found
-        return found
-
-    def is_active(self, layer_idx, module):
-        """True when some row's adapter covers the projection with a non-zero scale."""
-        return bool(self._covering(layer_idx, module))
-
-    def _apply_rows(self, layer_idx, module, input, output, input_row_width,
-                    output_row_width, n_rows):
-        key = (layer_idx, module)
-        plan = self._group_plans.get(key)
-        if plan is None or plan.d_in != input_row_width or plan.d_out != output_row_width:
-            covering = self._covering(layer_idx, module)
-            for name, layer, _ in covering:
-                if layer.d_in != input_row_width or layer.d_out != output_row_width:
-                    raise ValueError(
-                        f"adapter {name!r} layer ({layer_idx}, {module!r}) has (d_in, d_out) = "
-                        f"({layer.d_in}, {layer.d_out}) but the call's row widths are "
-                        f"(input_row_width, output_row_width) = "
-                        f"({input_row_width}, {output_row_width})")
-            if not covering:
-                return
-            plan = _rows.GroupPlan([(layer._kernel,) + group for _, layer, group in covering],
-                                   n_rows, input_row_width, output_row_width)
-            # Concurrent first calls build equal plans; the last one wins.
-            self._group_plans[key] = plan
-        plan.apply(input, output)
+    # is_active comes from the core: true when some unit's adapter covers the
+    # projection with a non-zero scale.
 
     def apply(self, layer_idx, module, x, output):
         """Not supported: a bound batch is applied to whole batches only."""
         raise TypeError(
-            "a bound AdapterSet batch has no meaning for a lone row: call "
-            "lorahook.apply_lora_rows(hook, layer_idx, module, input, output, "
-            "input_row_width, output_row_width) with the whole batch it was bound for")
+            f"a bound AdapterSet hook has no meaning for a lone row: call "
+            f"lorahook.apply_lora_rows(hook, layer_idx, module, input, output, "
+            f"input_row_width, output_row_width) with the whole batch")
 
     # --- geometry -----------------------------------------------------------
 
     def validate_against(self, config):
-        """Check every adapter this batch applies against ``config``."""
-        for name in sorted(self._plans):
-            self._plans[name][0].validate_against(config)
+        """Check every adapter this hook applies against ``config``."""
+        for name in sorted(self._adapters):
+            self._adapters[name].validate_against(config)
         return None
 
     def validate_against_bert(self, num_hidden_layers, hidden_size, intermediate_size):
         """The same check for a BERT encoder of these dimensions."""
-        for name in sorted(self._plans):
-            self._plans[name][0].validate_against_bert(
+        for name in sorted(self._adapters):
+            self._adapters[name].validate_against_bert(
                 num_hidden_layers, hidden_size, intermediate_size)
         return None
+
+
+class BoundSequences(BoundBatch):
+    """The hook :meth:`AdapterSet.bind_sequences` returns: S sequences, any rows per sequence.
+
+    Serves every call whose row count is a multiple of the sequence count,
+    rows sequence-major (row ``r`` of ``n`` belongs to sequence
+    ``r // (n // S)``); otherwise as :class:`BoundBatch`.
+    """
+
+    __slots__ = ()
+    _exact_rows = False
+
+    @property
+    def n_rows(self):
+        """``None``: any multiple of :attr:`n_sequences` rows."""
+        return None
+
+    @property
+    def n_sequences(self):
+        """The number of sequences ``S``."""
+        return len(self._names)
+
+    @property
+    def row_adapters(self):
+        raise AttributeError("a BoundSequences hook has seq_adapters, one per sequence")
+
+    @property
+    def seq_adapters(self):
+        """Per sequence, the adapter name or ``None`` (a tuple)."""
+        return self._names
+
+    def __repr__(self):
+        return (f"BoundSequences({len(self._names)} sequences, "
+                f"adapters {sorted(self._adapters)!r})")

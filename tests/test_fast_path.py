@@ -37,7 +37,7 @@ def test_a_subclass_is_active_is_honoured(rows):
     rng = np.random.default_rng(rows)
     l0, l1 = _layer(rng, 16, 24), _layer(rng, 16, 24)
     hook = OnlyLayerZero({(0, "q_proj"): l0, (1, "q_proj"): l1})
-    assert not OnlyLayerZero._fused and LoraAdapter._fused
+    assert OnlyLayerZero._core_mode == 1 and LoraAdapter._core_mode == 0
     x = rng.standard_normal((rows, 16)).astype(np.float32)
     y0 = rng.standard_normal((rows, 24)).astype(np.float32)
     y = y0.copy()
@@ -97,21 +97,50 @@ def test_bound_batch_plan_is_reused_and_still_checks_widths():
     assert not wide.any()
 
 
-def test_a_hook_must_inherit_the_base_class():
-    # registering with the ABC is not enough: the core reads the base class's
-    # attributes, so a virtual subclass is refused like any other object
+def test_a_registered_virtual_subclass_gets_one_apply_per_row():
+    # SPEC section 7: anything isinstance(h, LoraHook) accepts is a hook; a
+    # registered class takes the generic per-row path
     from lorahook import LoraHook
 
     class Lookalike:
+        def __init__(self):
+            self.rows = []
+
+        def apply(self, layer_idx, module, x, output):
+            assert not x.flags.writeable and output.flags.writeable
+            self.rows.append(float(x[0]))
+            output += 2 * x
+
+        def is_active(self, layer_idx, module):
+            return module == "q_proj"
+
+    LoraHook.register(Lookalike)
+    hook = Lookalike()
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    y = np.ones((3, 4), np.float32)
+    apply_lora_rows(hook, 0, "k_proj", x, y, 4, 4)
+    assert (y == 1).all() and hook.rows == []  # inactive: never called
+    apply_lora_rows(hook, 0, "q_proj", x, y, 4, 4)
+    assert hook.rows == [0.0, 4.0, 8.0]  # one apply per row, in row order
+    np.testing.assert_array_equal(y, 1 + 2 * x)
+
+
+def test_a_registered_class_without_is_active_counts_as_active():
+    from lorahook import LoraHook
+
+    class OnlyApply:
         def apply(self, layer_idx, module, x, output):
             output += 1
 
-        def is_active(self, layer_idx, module):
-            return True
+    LoraHook.register(OnlyApply)
+    y = np.zeros((2, 4), np.float32)
+    apply_lora_rows(OnlyApply(), 3, "v_proj", np.zeros((2, 4), np.float32), y, 4, 4)
+    assert (y == 1).all()
 
-    LoraHook.register(Lookalike)
-    assert isinstance(Lookalike(), LoraHook)
+
+@pytest.mark.parametrize("hook", [object(), "q_proj", None, 1.5])
+def test_anything_else_is_a_type_error_with_nothing_written(hook):
     y = np.zeros((1, 4), np.float32)
-    with pytest.raises(TypeError, match="hook must be a lorahook.LoraHook, got Lookalike"):
-        apply_lora_rows(Lookalike(), 0, "q_proj", np.zeros((1, 4), np.float32), y, 4, 4)
+    with pytest.raises(TypeError, match=f"hook must be a lorahook.LoraHook, got {type(hook).__name__}"):
+        apply_lora_rows(hook, 0, "q_proj", np.zeros((1, 4), np.float32), y, 4, 4)
     assert not y.any()

@@ -529,7 +529,7 @@ def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
         import numpy as np
         from lorahook import _rows
         x = np.ones((4, 8), np.float32)
-        k = _rows.LayerKernel(np.ones((2, 8), np.float32), np.ones((8, 2), np.float32), 1.0)
+        k = _rows.LayerKernel(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 1.0)
         rows = np.array([0, 1], np.int32)
         groups = []
 
@@ -541,7 +541,7 @@ def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
                 return 1.0
 
         _rows.set_gemm_crossover(1)
-        for layer in (k, _rows.LayerKernel(np.ones((2, 8), np.float32), np.ones((8, 2), np.float32), 1.0)):
+        for layer in (k, _rows.LayerKernel(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 1.0)):
             y = np.zeros((4, 8), np.float32)
             groups[:] = [(layer, 1.0, rows, None), (layer, Rewrite(), None, None)]
             layer = None
