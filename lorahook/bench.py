@@ -7,9 +7,12 @@ samples (fast calls are grouped so that one sample lasts at least ~0.2 ms)
 and its median per call.  The single-projection scenarios run three rounds
 of one block per contender in turn (the mixed batch too) and report each
 contender's median of its block medians, so that a slow spell on a shared
-machine does not land on one contender only.  Every contender runs with its own default threads:
-lorahook with its helper threads (``lorahook.get_num_threads()``) and SciPy's
-BLAS on one thread, numpy's BLAS and torch as they start.  Contenders:
+machine does not land on one contender only.  The run starts with
+``lorahook.threads.configure(blas_threads=1)`` (the documented server
+setting: SciPy's BLAS, which lorahook calls, on one thread); numpy's BLAS and
+torch run as they start.  The server loop is also timed with SciPy's BLAS as
+the process found it (lorahook's default: nothing configured) and both
+figures are printed.  Contenders:
 
 * lorahook: ``apply_lora_rows`` with a :class:`~lorahook.LoraAdapter`;
 * numpy, batched: ``y += s * ((X @ A.T) @ B.T)``;
@@ -25,10 +28,8 @@ In the server loop, base and hooked passes alternate one at a time and
 hooked loop (timed per call), which is far less sensitive to other load on
 the machine.
 
-"Two Python threads" follows the target's definition: each call held to
-one thread (``set_num_threads(1)``), two callers against one.  The line
-under it repeats the measurement with lorahook's default threads, where one
-caller already uses every core it may.
+"Two Python threads": two callers at once against one, each call on its
+own thread (lorahook's kernels run on the calling thread).
 
 GFLOP/s count ``2 * rows * rank * (d_in + d_out)`` and are compared with
 this machine's own ``sgemm`` peak (1024^3, SciPy's BLAS at its thread
@@ -197,7 +198,7 @@ def _server_loop(timer, rng, n_rows, n_layers):
             hook_time[0] += pc() - t0
 
     # Paired iterations: base and hooked loops alternate one pass at a time
-    # (both use only numpy's BLAS pool and lorahook's sleeping helpers, so no
+    # (both use numpy's BLAS pool and lorahook's kernels on this thread, so no
     # pause is needed between them), and "added" is the median of the ratio
     # within each adjacent pair, so slow drift in the machine's load cancels.
     pc = time.perf_counter
@@ -223,17 +224,8 @@ def _server_loop(timer, rng, n_rows, n_layers):
     return out
 
 
-def _two_threads(timer, rng, n_rows=128, d_in=1024, d_out=3584, rank=16, per_call=1):
-    """Two Python threads calling at once vs one, with ``per_call`` lorahook threads."""
-    from . import threads as lh_threads
-    old = lh_threads.set_num_threads(per_call)
-    try:
-        return _two_threads_block(timer, rng, n_rows, d_in, d_out, rank)
-    finally:
-        lh_threads.set_num_threads(old)
-
-
-def _two_threads_block(timer, rng, n_rows, d_in, d_out, rank):
+def _two_threads(timer, rng, n_rows=128, d_in=1024, d_out=3584, rank=16):
+    """Two Python threads calling at once vs one."""
     from . import LoraAdapter, apply_lora_rows
     hook = LoraAdapter({(0, "up_proj"): _layer(rng, d_in, d_out, rank)})
     per_thread = [(rng.standard_normal((n_rows, d_in)).astype(np.float32),
@@ -345,26 +337,19 @@ def _mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=
 
 
 def _thread_study(timer, rng):
-    """The same cases with lorahook's threads and SciPy's BLAS threads varied."""
+    """The same cases with SciPy's BLAS on one thread and on every core."""
     from . import threads
     cores = os.cpu_count() or 1
-    old = threads.get_num_threads(), threads.get_blas_threads()
     timer = _Timer(budget=min(timer.budget, 0.15), pause=timer.pause)
-    configs = [(1, 1), (threads.default_num_threads(), 1), (1, cores)]
     rows = []
-    try:
-        for ours, blas in dict.fromkeys(configs):
-            threads.set_num_threads(ours)
-            threads.set_blas_threads(blas)
-            lone = _single(timer, rng, None, None, 512, 4096, 4096, 16)["lorahook"]
-            dec = _single(timer, rng, None, None, 1, 4096, 4096, 64)["lorahook"]
-            loop = _server_loop(timer, rng, 128, 4)
-            two = _two_threads(timer, rng, per_call=ours)
-            rows.append((ours, blas, lone, dec, loop["base"], loop["hooked"], two["one"],
-                         two["two"]))
-    finally:
-        threads.set_num_threads(old[0])
-        threads.set_blas_threads(old[1])
+    for blas in dict.fromkeys((1, cores)):
+        threads.configure(blas_threads=blas)
+        lone = _single(timer, rng, None, None, 512, 4096, 4096, 16)["lorahook"]
+        dec = _single(timer, rng, None, None, 1, 4096, 4096, 64)["lorahook"]
+        loop = _server_loop(timer, rng, 128, 4)
+        two = _two_threads(timer, rng)
+        rows.append((blas, lone, dec, loop["base"], loop["hooked"], two["one"], two["two"]))
+    threads.configure(blas_threads=1)
     return rows
 
 
@@ -374,10 +359,22 @@ def run(progress=None, quick=False, thread_study=None):
     ``progress(done, total, label)`` is called before each step.  ``quick``
     shortens every block and times each contender in one round instead of
     three; ``thread_study`` (default: not ``quick``) adds the comparison of
-    thread settings.
+    thread settings.  Runs with ``threads.configure(blas_threads=1)`` and
+    gives the previous setting back at the end.
     """
+    from . import threads
+    previous = threads.info()["blas_threads"]
+    try:
+        return _run(progress, quick, thread_study)
+    finally:
+        threads.configure(blas_threads=previous)
+
+
+def _run(progress, quick, thread_study):
     from . import NoopLoraHook, apply_lora_rows
     from . import threads
+    default_blas = threads.info()["blas"]
+    threads.configure(blas_threads=None)  # as the process found it: lorahook's default
     if thread_study is None:
         thread_study = not quick
     timer = _Timer(budget=0.08 if quick else 0.3, pause=0.05 if quick else 0.25)
@@ -398,8 +395,11 @@ def run(progress=None, quick=False, thread_study=None):
     ]
     if thread_study:
         steps.append(("thread study", None))
-    res = {"single": {}, "server": {}, "quick": quick}
+    res = {"single": {}, "server": {}, "server_default": {}, "quick": quick,
+           "default_blas_threads": None if default_blas is None else default_blas["num_threads"]}
     for i, (label, params) in enumerate(steps):
+        if i == 0:
+            threads.configure(blas_threads=1)
         if progress is not None:
             progress(i, len(steps), label)
         if label == "sgemm peak":
@@ -413,19 +413,22 @@ def run(progress=None, quick=False, thread_study=None):
             res["single"][label] = _single(timer, rng, torch, F, *params, rounds=rounds)
         elif label.startswith("server"):
             res["server"][label] = _server_loop(timer, rng, *params)
+            threads.configure(blas_threads=None)
+            try:
+                res["server_default"][label] = _server_loop(timer, rng, *params)
+            finally:
+                threads.configure(blas_threads=1)
         elif label.startswith("two threads"):
-            res["threads"] = _two_threads(timer, rng, per_call=1)
-            res["threads_default"] = _two_threads(timer, rng, per_call=threads.get_num_threads())
+            res["threads"] = _two_threads(timer, rng)
         elif label.startswith("mixed"):
             res["mixed"] = dict(_mixed(timer, rng, torch, rounds=rounds), label=label)
         elif label == "thread study":
             res["thread_study"] = _thread_study(timer, rng)
     if progress is not None:
         progress(len(steps), len(steps), "done")
-    res["blas"] = threads.blas_info()
+    res["info"] = threads.info()
     res["torch"] = None if torch is None else (torch.__version__, torch.get_num_threads())
-    res["lorahook_threads"] = threads.get_num_threads()
-    res["blas_threads"] = threads.get_blas_threads()
+    res["blas_threads"] = res["info"]["blas_threads"]
     return res
 
 
@@ -437,7 +440,8 @@ def format_report(res):
     """The table and notes for a :func:`run` result, as one string."""
     lines, targets = [], []
     peak = res["peak"]
-    lines.append(f"lorahook threads per call: {res['lorahook_threads']}; SciPy BLAS threads: {res['blas_threads']}")
+    lines.append(f"lorahook.threads.configure(blas_threads={res['blas_threads']}) (SciPy's BLAS as found: "
+                 f"{res['default_blas_threads']} thread(s)); kernels run on the calling thread")
     lines.append(f"sgemm peak (1024^3, SciPy BLAS, {res['blas_threads']} thread(s)): {peak:.1f} GFLOP/s"
                  " (%peak below is against this)")
     lines.append("")
@@ -471,15 +475,16 @@ def format_report(res):
                      f" {100 * r['hook_only'] / r['base']:9.1f}%  ({r['projections']} projections)")
         limit = 0.12 if "decode" in label else 0.15
         targets.append((f"{label}: added time", add, limit))
+        d = res.get("server_default", {}).get(label)
+        if d is not None:
+            lines.append(f"  {'  as found, nothing configured':34} {_ms(d['base']):>9} {_ms(d['hooked']):>10} "
+                         f"{100 * d['added']:6.1f}% {_ms(d['hook_only']):>14}"
+                         f" {100 * d['hook_only'] / d['base']:9.1f}%  (SciPy BLAS {res['default_blas_threads']} threads)")
     th = res["threads"]
     lines.append("")
-    lines.append(f"two Python threads x 128 rows 1024->3584 r16, 1 thread per call: one caller {_ms(th['one'])} ms/call, "
+    lines.append(f"two Python threads x 128 rows 1024->3584 r16: one caller {_ms(th['one'])} ms/call, "
                  f"two callers {_ms(th['two'])} ms/call, throughput x{th['speedup']:.2f}")
-    td = res.get("threads_default")
-    if td is not None:
-        lines.append(f"  same with lorahook's {res['lorahook_threads']} threads per call: one caller {_ms(td['one'])} ms/call, "
-                     f"two callers {_ms(td['two'])} ms/call, throughput x{td['speedup']:.2f}")
-    targets.append(("two threads (1 thread per call): throughput vs one (>=)", th["speedup"], 1.5))
+    targets.append(("two threads: throughput vs one (>=)", th["speedup"], 1.5))
     mx = res.get("mixed", {})
     lines.append("")
     if "skip" in mx:
@@ -498,10 +503,10 @@ def format_report(res):
     if res.get("thread_study"):
         lines.append("")
         lines.append("thread settings (server loop: 128 rows x 4 layers; callers: 128 rows 1024->3584, ms per call):")
-        lines.append(f"  {'lorahook':>8} {'SciPy BLAS':>10} {'prefill 512 4096 ms':>20} {'decode 4096 r64 ms':>19} "
+        lines.append(f"  {'SciPy BLAS':>10} {'prefill 512 4096 ms':>20} {'decode 4096 r64 ms':>19} "
                      f"{'loop base ms':>13} {'loop hooked ms':>15} {'1 caller':>9} {'2 callers':>10}")
-        for ours, blas, lone, dec, base, hooked, one, two in res["thread_study"]:
-            lines.append(f"  {ours:>8} {blas:>10} {_ms(lone):>20} {_ms(dec):>19} {_ms(base):>13} "
+        for blas, lone, dec, base, hooked, one, two in res["thread_study"]:
+            lines.append(f"  {blas:>10} {_ms(lone):>20} {_ms(dec):>19} {_ms(base):>13} "
                          f"{_ms(hooked):>15} {_ms(one):>9} {_ms(two):>10}")
     lines.append("")
     lines.append(f"{'target':48} {'value':>7} {'limit':>6} met")
@@ -509,11 +514,16 @@ def format_report(res):
         ok = value >= limit if "(>=)" in name else value <= limit
         lines.append(f"{name:48} {value:7.3f} {limit:6.2f} {'yes' if ok else 'NO'}")
     lines.append("")
-    lines.append("BLAS libraries (threadpoolctl):")
-    for lib in res["blas"]:
-        mark = "  <- lorahook" if lib.get("lorahook") else ""
-        lines.append(f"  {lib.get('internal_api')} {lib.get('version')} {lib.get('num_threads')} threads "
-                     f"{lib.get('filepath')}{mark}")
+    lines.append("BLAS libraries (lorahook.threads.info()):")
+    for what, key in (("lorahook (SciPy)", "blas"), ("numpy", "numpy_blas")):
+        lib = res["info"][key]
+        if lib is None:
+            lines.append(f"  {what}: not identified")
+        else:
+            lines.append(f"  {what}: {lib['internal_api']} {lib['version']} {lib['architecture']} kernels, "
+                         f"{lib['num_threads']} threads, {lib['filepath']}")
+    if res["info"]["numpy_shares_blas"]:
+        lines.append("  numpy and SciPy share one BLAS: configure() leaves it alone")
     if res["torch"]:
         lines.append(f"  torch {res['torch'][0]}: {res['torch'][1]} intra-op threads")
     else:
@@ -541,9 +551,11 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="short blocks (a rough run in ~30 s)")
     parser.add_argument("--no-thread-study", action="store_true",
                         help="skip the comparison of thread settings")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar on stderr (it is drawn only on a terminal)")
     args = parser.parse_args(argv)
-    progress = None if args.no_progress else _progress_bar(sys.stderr)
+    # the bar redraws one line with \r: only on a terminal, never into a log
+    progress = None if args.no_progress or not sys.stderr.isatty() else _progress_bar(sys.stderr)
     res = run(progress=progress, quick=args.quick,
               thread_study=False if args.no_thread_study else None)
     print(format_report(res))

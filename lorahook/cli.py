@@ -48,9 +48,14 @@ class CommandError(Exception):
 
 
 def _user_errors():
-    """The exception types that mean "the user gave us a bad file or value"."""
+    """The exception types that mean "the user gave us a bad file or value".
+
+    lorahook's own errors and ``OSError``; argument errors are argparse's
+    (exit 2) or :class:`CommandError`.  Anything else is a bug and shows its
+    traceback.
+    """
     from .errors import LoraFormatError, LoraValidationError
-    return (LoraFormatError, LoraValidationError, OSError, ValueError, KeyError, UnicodeError)
+    return (LoraFormatError, LoraValidationError, OSError)
 
 
 def _one_line(exc):

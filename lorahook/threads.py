@@ -1,241 +1,227 @@
-"""Threads used by lorahook's compiled core.
+"""Threads and BLAS: what lorahook runs on, and the one setting that changes it.
 
-lorahook's kernels call BLAS through ``scipy.linalg.cython_blas``: SciPy's own
-BLAS (with SciPy's wheels, a private OpenBLAS under ``scipy.libs``), a
-different library with its own thread pool from the BLAS inside numpy.
-threadpoolctl lists both.  lorahook uses threads in two places, each with
-its own setting:
+lorahook's kernels run on the thread that calls them, with the GIL released;
+lorahook starts no thread of its own and, on import, changes nothing
+process-wide.  The kernels call BLAS through ``scipy.linalg.cython_blas``:
+SciPy's BLAS, which with SciPy's wheels is a private OpenBLAS under
+``scipy.libs``, a different library (with its own thread pool) from the BLAS
+inside numpy.  threadpoolctl lists both.
 
-**lorahook's threads** (``set_num_threads`` / ``get_num_threads``): a
-batched call large enough to be worth it is cut into chunks of rows, and
-lorahook's own helper threads run chunks next to the calling thread.  The
-default is the number of CPUs the process may use, at most 4.
+The one setting
+---------------
+:func:`configure` ``(blas_threads=1)`` holds SciPy's BLAS to one thread, for
+the whole process.  It is the setting for a server loop that, for every
+projection, runs the base matmul in numpy and then lorahook: two
+multi-threaded OpenBLAS pools then hand the cores back and forth, because
+each pool's idle workers spin for a while after a call and compete with the
+other pool's next call (measured on a 2-core machine: a prefill loop about 6x
+slower).  One thread for the small LoRA products costs little, since they
+are bound by memory bandwidth.  Call it once, at start-up; benchmarks and
+server recipes do.
 
-**SciPy's BLAS threads** (``set_blas_threads`` / ``get_blas_threads``): held
-to **one** on import; numpy's BLAS is left alone.
+When SciPy and numpy share one BLAS (conda-forge, Debian's ``libblas.so.3``)
+there is one pool and nothing to separate: :func:`configure` leaves it alone
+and :func:`info` says so.  ``configure(blas_threads=None)`` gives back the
+thread count lorahook found before it first changed it, and from then on
+leaves the BLAS alone.
 
-Why this split, measured on a 2-core machine with ``lorahook bench`` (see
-:mod:`lorahook.bench` for the method):
+A trap that is hard to see
+--------------------------
+When the first batched (``sgemm``) kernel of the process runs and
+:func:`configure` was never called, lorahook looks once (threadpoolctl, a
+read-only look) at the BLAS libraries: when SciPy's and numpy's are separate
+and both run more than one thread, it warns once, with a
+``RuntimeWarning`` that names both and the fix.  Calling :func:`configure`
+with any value, or filtering the warning, silences it.
 
-* In a server loop that runs, for each projection, the base matmul in numpy
-  and then the LoRA update, two multi-threaded OpenBLAS pools hand the cores
-  back and forth: each pool's idle workers spin for a while after a call, so
-  the other pool's next call competes with them (a 128-row prefill loop took
-  about 3x as long with SciPy's BLAS on 2 threads).  lorahook's helpers never
-  spin: between calls they sleep, so they cost the next numpy matmul nothing.
-* A lone large call uses the second core: 512 rows, 4096 -> 4096, rank 16
-  ran about 1.7x faster on 2 threads.
-* Several Python threads calling lorahook at once (the kernels release the
-  GIL) scale when each call keeps to its own core.  A helper takes another
-  chunk only while the call it helps is the only lorahook call running, and a
-  call that finds the helpers busy runs alone, so concurrent callers do not
-  oversubscribe the machine.
-* Decode (one row, ``sgemv``) and small batches stay on the calling thread:
-  a batch is split only into chunks of at least 64 rows (and never fewer
-  than the gemm crossover) and 4 MFLOP (``lorahook._rows.get_split_grain``),
-  below which handing work to another thread costs more than it saves.
-* Chunk boundaries depend only on the batch's shape, never on timing, so a
-  result is the same bits whichever thread ran which chunk, and the same for
-  every thread count ``>= 2``.  With 1 thread the batch is not chunked, which
-  can change the last bits of float32 rounding.
-* If SciPy's BLAS is given more than one thread (``set_blas_threads`` or
-  threadpoolctl), lorahook stops splitting and leaves threading to BLAS, so
-  the two never multiply.  The core reads that count from OpenBLAS (what
-  SciPy's wheels ship); with a BLAS it cannot ask, keep that BLAS at one
-  thread or call ``set_num_threads(1)``.
-
-Override it
------------
-* ``set_num_threads(n)`` (``1 <= n <= 64``) at any time; ``1`` keeps every
-  call on the calling thread.  ``LORAHOOK_NUM_THREADS=n`` sets it at import.
-* ``set_blas_threads(n)`` at any time; ``LORAHOOK_BLAS_THREADS=n`` at import,
-  or ``LORAHOOK_BLAS_THREADS=keep`` to leave SciPy's BLAS as it is.
-* threadpoolctl keeps working on SciPy's BLAS: ``threadpool_limits`` and
-  ``ThreadpoolController`` (or :func:`blas_controller`) see and change the
-  same library, and whatever they set last wins.
-
-The BLAS setting is process-wide for SciPy's BLAS, so it also applies to
-other users of ``scipy.linalg`` in the process.  Numpy's BLAS is never
-changed.  lorahook's helper threads start on the first split call; they
-block asynchronous signals, and a forked child starts its own when it needs
-them.
+For a large single call, threads are better left to the BLAS
+(``configure(blas_threads=n)``), which splits one product over its own pool,
+than to a second pool of lorahook's: measured on this kind of machine, a
+256-row 1024->3584 rank-16 call split over helper threads ran no faster than
+one thread.  Several Python threads calling lorahook at once scale, since the
+kernels release the GIL.
 """
 import os
 import threading
+import warnings
 
-__all__ = ["get_num_threads", "set_num_threads", "get_blas_threads", "set_blas_threads",
-           "default_num_threads", "blas_controller", "blas_info", "DEFAULT_BLAS_THREADS",
-           "MAX_DEFAULT_THREADS"]
+from . import _rows
 
-#: SciPy's BLAS threads set on import unless ``LORAHOOK_BLAS_THREADS`` says otherwise.
-DEFAULT_BLAS_THREADS = 1
+__all__ = ["configure", "info"]
 
-#: The most threads lorahook uses by default for one call (more cores add
-#: little: the kernels are limited by memory bandwidth at LoRA ranks).
-MAX_DEFAULT_THREADS = 4
-
-_ENV = "LORAHOOK_NUM_THREADS"
-_BLAS_ENV = "LORAHOOK_BLAS_THREADS"
 _lock = threading.Lock()
+# lorahook's own settings: the configured BLAS thread count (None: never
+# configured, or configured to leave the BLAS alone), whether configure was
+# called at all, and the count found before lorahook first changed it.
+_settings = {"blas_threads": None, "configured": False, "found_blas_threads": None}
 
 
-def _cython_blas_library_path():
-    """The file of the BLAS that ``scipy.linalg.cython_blas`` calls, or None.
-
-    The compiled core finds it at import: it looks ``sgemm`` up through the
-    extension's own handle (so the search runs over its dependencies, not
-    over whatever numpy loaded first) and asks the dynamic loader which file
-    holds that address.
-    """
-    from . import _rows
+def _blas_path():
     path = _rows._blas_library_path()
     return None if path is None else os.path.realpath(path)
 
 
-def blas_controller():
-    """The threadpoolctl controller of the BLAS lorahook's kernels use.
-
-    Returns a ``threadpoolctl.ThreadpoolController`` holding exactly that
-    library, or raises ``RuntimeError`` when it cannot be identified.
-    """
-    import scipy.linalg.cython_blas  # noqa: F401  (loads the library)
+def _libraries():
+    """threadpoolctl's controllers: (SciPy's BLAS as lorahook calls it, numpy's BLAS)."""
+    import numpy  # noqa: F401  (both libraries are loaded by now)
+    import scipy.linalg.cython_blas  # noqa: F401
     from threadpoolctl import ThreadpoolController
 
     controller = ThreadpoolController()
     blas = [lc for lc in controller.lib_controllers if lc.user_api == "blas"]
-    path = _cython_blas_library_path()
-    chosen = []
-    if path is not None:
-        chosen = [lc for lc in blas if os.path.realpath(lc.filepath) == path]
-    if not chosen:
+    path = _blas_path()
+    ours = [lc for lc in blas if path is not None and os.path.realpath(lc.filepath) == path]
+    if not ours:
         # Fall back on where SciPy's wheels keep their private BLAS.
         import scipy
-        scipy_root = os.path.dirname(os.path.dirname(os.path.realpath(scipy.__file__)))
-        marks = (os.path.join(scipy_root, "scipy.libs") + os.sep,
-                 os.path.join(scipy_root, "scipy", ".dylibs") + os.sep)
-        chosen = [lc for lc in blas if os.path.realpath(lc.filepath).startswith(marks)]
-    if not chosen and len(blas) == 1:
-        chosen = blas  # one BLAS in the process: numpy and SciPy share it
-    if not chosen:
-        raise RuntimeError(
-            "lorahook could not identify the BLAS library used by scipy.linalg.cython_blas "
-            f"among the BLAS libraries threadpoolctl found: {[lc.filepath for lc in blas]}")
-    make = getattr(ThreadpoolController, "_from_controllers", None)
-    if make is not None:
-        return make(chosen[:1])
-    controller.lib_controllers = chosen[:1]
-    return controller
+        root = os.path.dirname(os.path.dirname(os.path.realpath(scipy.__file__)))
+        marks = (os.path.join(root, "scipy.libs") + os.sep,
+                 os.path.join(root, "scipy", ".dylibs") + os.sep)
+        ours = [lc for lc in blas if os.path.realpath(lc.filepath).startswith(marks)]
+    if not ours and len(blas) == 1:
+        ours = blas  # one BLAS in the process: numpy and SciPy share it
+    numpy_blas = _numpy_blas(blas)
+    return (ours[0] if ours else None), numpy_blas
 
 
-def _the_library():
-    return blas_controller().lib_controllers[0]
-
-
-def _check_count(n):
-    if isinstance(n, bool) or not hasattr(type(n), "__index__"):
-        raise TypeError(f"n must be an int, got {type(n).__name__} ({n!r})")
-    n = int(n)
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    return n
-
-
-def default_num_threads():
-    """CPUs this process may run on, at most :data:`MAX_DEFAULT_THREADS`."""
+def _numpy_blas(blas):
+    import numpy
+    root = os.path.dirname(os.path.realpath(numpy.__file__))
+    libs = os.path.join(os.path.dirname(root), "numpy.libs") + os.sep
+    dylibs = os.path.join(root, ".dylibs") + os.sep
+    mine = [lc for lc in blas
+            if os.path.realpath(lc.filepath).startswith((libs, dylibs))]
+    if mine:
+        return mine[0]
+    # numpy linked against a system BLAS: the library numpy's own config names
     try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, MAX_DEFAULT_THREADS))
+        config = numpy.show_config(mode="dicts")
+        name = config["Build Dependencies"]["blas"].get("name", "") or ""
+    except Exception:  # numpy < 1.26, or a config without that entry
+        name = ""
+    for lc in blas:
+        if name and name.lower() in os.path.basename(lc.filepath).lower():
+            return lc
+    return None
 
 
-def get_num_threads():
-    """Threads one large batched lorahook call may use (the caller plus helpers)."""
-    from . import _rows
-    return _rows._get_num_threads()
+def _describe(lc):
+    if lc is None:
+        return None
+    return {
+        "filepath": lc.filepath,
+        "internal_api": lc.internal_api,
+        "version": lc.version,
+        "architecture": getattr(lc, "architecture", None),
+        "threading_layer": getattr(lc, "threading_layer", None),
+        "num_threads": int(lc.num_threads),
+    }
 
 
-def set_num_threads(n):
-    """Set the threads one large batched call may use; returns the previous value.
+def _shared(ours, numpy_blas):
+    return (ours is not None and numpy_blas is not None
+            and os.path.realpath(ours.filepath) == os.path.realpath(numpy_blas.filepath))
 
-    ``n`` is an int, ``1 <= n <= 64``; ``1`` keeps every call on the calling
-    thread.  Takes effect from the next call, for every thread of the process.
+
+def configure(blas_threads=None):
+    """Set the threads of the BLAS lorahook's kernels call; the one process-wide setting.
+
+    ``blas_threads`` is an int ``>= 1``, or ``None``.  An int sets SciPy's
+    BLAS (the library :func:`info` reports as lorahook's) to that many
+    threads, for every user of that library in the process; numpy's BLAS is
+    never touched, and when numpy shares SciPy's BLAS nothing is changed
+    (there is one pool, nothing to separate).  ``None`` gives back the thread
+    count lorahook found before it first changed it and leaves the BLAS alone
+    from then on.  Either call counts as an explicit choice, so the one-time
+    warning about two fighting BLAS pools is not given.
+
+    Returns the previous ``blas_threads`` setting (``None`` when unset).
+    ``TypeError`` for a non-integer, ``ValueError`` for a count below 1.
     """
-    from . import _rows
-    return _rows._set_num_threads(_check_count(n))
-
-
-def get_blas_threads():
-    """The number of threads of the BLAS lorahook's kernels call (SciPy's)."""
-    return int(_the_library().num_threads)
-
-
-def set_blas_threads(n):
-    """Set the threads of the BLAS lorahook's kernels call; returns the previous value.
-
-    ``n`` is an int ``>= 1``.  This changes SciPy's BLAS for the whole
-    process (the same library ``threadpoolctl`` reports with the path
-    :func:`blas_info` gives); numpy's BLAS is untouched.  While it is above
-    1, lorahook does not split calls over its own threads.
-    """
-    n = _check_count(n)
+    if blas_threads is not None:
+        if isinstance(blas_threads, bool) or not hasattr(type(blas_threads), "__index__"):
+            raise TypeError(f"blas_threads must be an int >= 1 or None, got "
+                            f"{type(blas_threads).__name__} ({blas_threads!r})")
+        blas_threads = int(blas_threads)
+        if blas_threads < 1:
+            raise ValueError(f"blas_threads must be >= 1 or None, got {blas_threads}")
     with _lock:
-        lib = _the_library()
-        old = int(lib.num_threads)
-        lib.set_num_threads(n)
+        old = _settings["blas_threads"]
+        ours, numpy_blas = _libraries()
+        if ours is not None and not _shared(ours, numpy_blas):
+            if blas_threads is not None:
+                if _settings["found_blas_threads"] is None:
+                    _settings["found_blas_threads"] = int(ours.num_threads)
+                ours.set_num_threads(blas_threads)
+            elif _settings["found_blas_threads"] is not None:
+                ours.set_num_threads(_settings["found_blas_threads"])
+                _settings["found_blas_threads"] = None
+        _settings["blas_threads"] = blas_threads
+        _settings["configured"] = True
     return old
 
 
-def blas_info():
-    """threadpoolctl's description of every BLAS/OpenMP library in the process.
+def info():
+    """What lorahook runs on, as a dict (a read-only look; nothing changes).
 
-    A list of dicts (``threadpoolctl.threadpool_info()``), each with an extra
-    ``"lorahook"`` key that is True for the library lorahook's kernels call.
+    * ``"blas"``: the BLAS lorahook's kernels call (SciPy's): ``filepath``,
+      ``internal_api``, ``version``, ``architecture`` (the kernel OpenBLAS
+      chose for this CPU), ``threading_layer``, ``num_threads``; ``None`` when
+      threadpoolctl cannot identify it;
+    * ``"numpy_blas"``: the same for numpy's BLAS (``None`` when unknown);
+    * ``"numpy_shares_blas"``: whether the two are one library (then
+      :func:`configure` leaves it alone);
+    * ``"configured"``, ``"blas_threads"``: whether :func:`configure` was
+      called, and its setting;
+    * ``"gemm_crossover"``: rows from which a batch uses the ``sgemm`` pair;
+    * ``"threads_started"``: threads lorahook starts (always ``0``: kernels
+      run on the calling thread).
     """
-    from threadpoolctl import threadpool_info
+    ours, numpy_blas = _libraries()
+    return {
+        "blas": _describe(ours),
+        "numpy_blas": _describe(numpy_blas),
+        "numpy_shares_blas": _shared(ours, numpy_blas),
+        "configured": _settings["configured"],
+        "blas_threads": _settings["blas_threads"],
+        "gemm_crossover": _rows.get_gemm_crossover(),
+        "threads_started": 0,
+    }
 
+
+def _two_pools_warning():
+    """The one-time check before the first batched kernel (see the module docstring)."""
+    if _settings["configured"]:
+        return
     try:
-        ours = os.path.realpath(_the_library().filepath)
-    except RuntimeError:
-        ours = None
-    info = threadpool_info()
-    for entry in info:
-        entry["lorahook"] = ours is not None and os.path.realpath(entry["filepath"]) == ours
-    return info
+        ours, numpy_blas = _libraries()
+    except Exception:  # no threadpoolctl answer: nothing to say
+        return
+    if ours is None or numpy_blas is None or _shared(ours, numpy_blas):
+        return
+    if ours.num_threads > 1 and numpy_blas.num_threads > 1:
+        warnings.warn(
+            f"lorahook calls SciPy's BLAS ({os.path.basename(ours.filepath)}, "
+            f"{ours.num_threads} threads), a different library from numpy's BLAS "
+            f"({os.path.basename(numpy_blas.filepath)}, {numpy_blas.num_threads} threads). "
+            f"In a loop that alternates numpy matmuls and lorahook calls the two thread pools "
+            f"fight over the cores (a prefill loop measured 6x slower). Call "
+            f"lorahook.threads.configure(blas_threads=1) once at start-up, or "
+            f"configure(blas_threads=None) to keep SciPy's BLAS as it is and silence this "
+            f"warning.", RuntimeWarning, stacklevel=2)
 
 
-def _env_count(name, value):
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return n
+_rows._set_first_batched(_two_pools_warning)
 
 
-def _apply_defaults():
-    from . import _rows
-    value = os.environ.get(_ENV, "").strip()
-    if value.lower() == "keep":
-        raise ValueError(f"{_ENV} sets lorahook's own threads and must be an integer from 1 "
-                         f"to 64, got {value!r}; to leave SciPy's BLAS as it is, set "
-                         f"{_BLAS_ENV}=keep")
-    if value:
-        n = _env_count(_ENV, value)
-        if n > 64:
-            raise ValueError(f"{_ENV} must be at most 64, got {value!r}")
-    else:
-        n = default_num_threads()
-    _rows._set_num_threads(n)
-
-    value = os.environ.get(_BLAS_ENV, "").strip()
-    if value.lower() != "keep":
-        try:
-            set_blas_threads(_env_count(_BLAS_ENV, value) if value else DEFAULT_BLAS_THREADS)
-        except (ImportError, RuntimeError):
-            # Without threadpoolctl or an identifiable BLAS, leave BLAS as it is.
-            pass
+def _obsolete_environment():
+    """Warn about settings this version no longer reads (never an import failure)."""
+    for name, default in (("LORAHOOK_NUM_THREADS", "kernels run on the calling thread"),
+                          ("LORAHOOK_BLAS_THREADS", "SciPy's BLAS is left as the process has it")):
+        if os.environ.get(name):
+            warnings.warn(f"{name}={os.environ[name]!r} is not read by lorahook (default: "
+                          f"{default}); call lorahook.threads.configure(blas_threads=n) instead",
+                          RuntimeWarning, stacklevel=3)
 
 
-_apply_defaults()
+_obsolete_environment()

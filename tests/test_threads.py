@@ -1,7 +1,13 @@
-"""lorahook.threads: which BLAS it controls, and that both thread settings take effect."""
+"""lorahook.threads and SPEC section 7: nothing process-wide at import, one opt-in setting.
+
+The process-wide checks run in fresh interpreters, so that nothing another
+test did (a configure call, an earlier warning) can hide a side effect.
+"""
+import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -13,182 +19,175 @@ from lorahook import LoraAdapter, LoraLayer, apply_lora_rows, threads
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _scipy_blas_entries():
-    import scipy.linalg.cython_blas  # noqa: F401
-    ours = os.path.realpath(threads.blas_controller().lib_controllers[0].filepath)
-    return [e for e in threadpoolctl.threadpool_info()
-            if os.path.realpath(e["filepath"]) == ours]
+def _child(code):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=HERE,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _scipy_blas_path():
+    path = threads.info()["blas"]
+    if path is None:
+        pytest.skip("threadpoolctl cannot identify SciPy's BLAS here")
+    return os.path.realpath(path["filepath"])
+
+
+def _threads_of(path):
+    for entry in threadpoolctl.threadpool_info():
+        if os.path.realpath(entry["filepath"]) == path:
+            return entry["num_threads"]
+    raise AssertionError(f"{path} not among threadpoolctl's libraries")
 
 
 @pytest.fixture
-def restore_threads():
-    old = threads.get_num_threads(), threads.get_blas_threads()
-    yield
-    threads.set_num_threads(old[0])
-    threads.set_blas_threads(old[1])
+def restore_blas():
+    """Give back SciPy's BLAS thread count and lorahook's settings after a test."""
+    path = _scipy_blas_path()
+    before = _threads_of(path)
+    saved = dict(threads._settings)
+    yield path
+    threadpoolctl.threadpool_limits(before, user_api=None)  # every library: then fix numpy's below
+    threads._settings.clear()
+    threads._settings.update(saved)
+    for lc in threadpoolctl.ThreadpoolController().lib_controllers:
+        if os.path.realpath(lc.filepath) == path:
+            lc.set_num_threads(before)
 
 
-def _env_without(*names):
-    return {k: v for k, v in os.environ.items() if k not in names}
+_SIDE_EFFECTS = """
+    import json, os, warnings
+    import numpy, scipy.linalg
+    import threadpoolctl
+
+    def tasks():
+        return sorted(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
+
+    def pools():
+        return [(e["filepath"], e["num_threads"]) for e in threadpoolctl.threadpool_info()]
+
+    before = (pools(), tasks())
+    import lorahook
+    after_import = (pools(), tasks())
+    rng = numpy.random.default_rng(0)
+    layer = lorahook.LoraLayer(rng.standard_normal((16, 64)), rng.standard_normal((96, 16)))
+    adapter = lorahook.LoraAdapter({(0, "q_proj"): layer})
+    x = rng.standard_normal((300, 64)).astype(numpy.float32)
+    y = numpy.zeros((300, 96), numpy.float32)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        lorahook.apply_lora_rows(adapter, 0, "q_proj", x, y, 64, 96)
+    after_call = (pools(), tasks())
+    info = lorahook.threads.info()
+    print(json.dumps({"before": before, "after_import": after_import,
+                      "after_call": after_call, "info_is_dict": isinstance(info, dict),
+                      "registered_bfloat16": "bfloat16" in numpy.sctypeDict}))
+"""
 
 
-def _child(code, **env):
-    base = _env_without("LORAHOOK_NUM_THREADS", "LORAHOOK_BLAS_THREADS")
-    return subprocess.run([sys.executable, "-c", code], cwd=HERE, env=dict(base, **env),
-                          capture_output=True, text=True, timeout=120)
+def test_import_and_a_default_call_change_nothing_process_wide():
+    out = json.loads(_child(_SIDE_EFFECTS).stdout)
+    assert out["after_import"][0] == out["before"][0]   # threadpoolctl: same libraries, same threads
+    assert out["after_call"][0] == out["before"][0]
+    if out["before"][1] is not None:
+        assert out["after_import"][1] == out["before"][1]  # no OS thread started
+        assert out["after_call"][1] == out["before"][1]
+    assert out["info_is_dict"]
+    assert not out["registered_bfloat16"]  # lorahook registers no dtype with numpy
 
 
-def test_controls_exactly_one_blas_library():
-    ctl = threads.blas_controller()
-    assert len(ctl.lib_controllers) == 1
-    assert ctl.lib_controllers[0].user_api == "blas"
-    assert len(_scipy_blas_entries()) == 1
-
-
-def test_identifies_the_library_cython_blas_links():
-    path = threads._cython_blas_library_path()
-    if path is None:
-        pytest.skip("the dynamic loader cannot map sgemm to a file here")
+def test_info_describes_the_blas_lorahook_calls():
+    info = threads.info()
+    assert set(info) >= {"blas", "numpy_blas", "numpy_shares_blas", "configured",
+                         "blas_threads", "gemm_crossover", "threads_started"}
+    assert info["threads_started"] == 0
+    if info["blas"] is None:
+        pytest.skip("threadpoolctl cannot identify SciPy's BLAS here")
+    path = os.path.realpath(info["blas"]["filepath"])
+    known = {os.path.realpath(e["filepath"]): e for e in threadpoolctl.threadpool_info()}
+    assert path in known and known[path]["user_api"] == "blas"
+    assert info["blas"]["num_threads"] == known[path]["num_threads"]
+    # the library the core found through the dynamic loader defines sgemm itself
     import ctypes
-    # a BLAS threadpoolctl knows, that defines sgemm itself, and not numpy's
-    blas = {os.path.realpath(e["filepath"]): e for e in threadpoolctl.threadpool_info()
-            if e["user_api"] == "blas"}
-    assert path in blas
     lib = ctypes.CDLL(path)
     assert any(hasattr(lib, name) for name in ("scipy_sgemm_", "sgemm_", "sgemm"))
-    numpy_libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
-    assert not path.startswith(os.path.realpath(numpy_libs) + os.sep)
-    assert os.path.realpath(threads.blas_controller().lib_controllers[0].filepath) == path
+    if info["numpy_blas"] is not None:
+        shared = os.path.realpath(info["numpy_blas"]["filepath"]) == path
+        assert info["numpy_shares_blas"] == shared
 
 
-def test_defaults_on_import():
-    code = ("import lorahook.threads as t;"
-            "c = t.blas_controller().lib_controllers[0];"
-            "print(c.num_threads, t.get_blas_threads(), t.get_num_threads(), t.default_num_threads())")
-    out = _child(code)
-    assert out.returncode == 0, out.stderr
-    blas, blas_again, ours, default = map(int, out.stdout.split())
-    assert blas == blas_again == threads.DEFAULT_BLAS_THREADS
-    assert ours == default
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert default == max(1, min(cpus, threads.MAX_DEFAULT_THREADS))
+def test_configure_sets_scipys_blas_and_leaves_numpys_alone(restore_blas):
+    info = threads.info()
+    if info["numpy_shares_blas"]:
+        pytest.skip("numpy and SciPy share one BLAS here: configure leaves it alone")
+    numpy_path = info["numpy_blas"] and os.path.realpath(info["numpy_blas"]["filepath"])
+    numpy_before = numpy_path and _threads_of(numpy_path)
+    found = _threads_of(restore_blas)
+    threads.configure(blas_threads=1)
+    assert _threads_of(restore_blas) == 1
+    assert threads.info()["configured"] and threads.info()["blas_threads"] == 1
+    if numpy_path:
+        assert _threads_of(numpy_path) == numpy_before
+    assert threads.configure(blas_threads=None) == 1  # returns the previous setting
+    assert _threads_of(restore_blas) == found          # None gives back what was found
+    assert threads.info()["blas_threads"] is None
 
 
-def test_num_threads_environment():
-    code = "import lorahook.threads as t; print(t.get_num_threads())"
-    out = _child(code, LORAHOOK_NUM_THREADS="3")
-    assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr
-    for bad in ("zero", "0", "65", "keep"):
-        res = _child(code, LORAHOOK_NUM_THREADS=bad)
-        assert res.returncode != 0 and "LORAHOOK_NUM_THREADS" in res.stderr, bad
-    # the old spelling for "leave SciPy's BLAS alone" points at the new one
-    assert "LORAHOOK_BLAS_THREADS=keep" in _child(code, LORAHOOK_NUM_THREADS="keep").stderr
+@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-2, ValueError), (1.0, TypeError),
+                                      (True, TypeError), ("1", TypeError)])
+def test_configure_refuses_bad_counts(bad, exc, restore_blas):
+    before = _threads_of(restore_blas)
+    with pytest.raises(exc, match="blas_threads"):
+        threads.configure(blas_threads=bad)
+    assert _threads_of(restore_blas) == before
 
 
-def test_blas_threads_environment_and_keep():
-    code = "import lorahook.threads as t; print(t.get_blas_threads())"
-    out = _child(code, LORAHOOK_BLAS_THREADS="2")
-    assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr
-    bad = _child(code, LORAHOOK_BLAS_THREADS="-3")
-    assert bad.returncode != 0 and "LORAHOOK_BLAS_THREADS" in bad.stderr
-    # keep: whatever SciPy's BLAS had before lorahook was imported
-    code = ("import scipy.linalg.cython_blas, threadpoolctl;"
-            "threadpoolctl.threadpool_limits(1, user_api='blas');"
-            "import lorahook.threads as t; print(t.get_blas_threads())")
-    keep = _child(code, LORAHOOK_BLAS_THREADS="keep")
-    assert keep.returncode == 0 and keep.stdout.strip() == "1", keep.stderr
-
-
-def test_set_num_threads_round_trip(restore_threads):
-    old = threads.get_num_threads()
-    assert threads.set_num_threads(3) == old
-    assert threads.get_num_threads() == 3
-    assert threads.set_num_threads(1) == 3
-    assert threads.get_num_threads() == 1
-
-
-def test_set_num_threads_does_not_touch_any_blas(restore_threads):
-    before = {e["filepath"]: e["num_threads"] for e in threadpoolctl.threadpool_info()}
-    threads.set_num_threads(3)
-    threads.set_num_threads(1)
-    assert {e["filepath"]: e["num_threads"] for e in threadpoolctl.threadpool_info()} == before
-
-
-def test_set_num_threads_rejects_too_many(restore_threads):
-    with pytest.raises(ValueError, match="at most 64"):
-        threads.set_num_threads(65)
-
-
-def test_set_blas_threads_takes_effect_per_threadpoolctl(restore_threads):
-    old = threads.get_blas_threads()
-    assert threads.set_blas_threads(2) == old
-    assert [e["num_threads"] for e in _scipy_blas_entries()] == [2]
-    assert threads.get_blas_threads() == 2
-    assert threads.set_blas_threads(1) == 2
-    assert [e["num_threads"] for e in _scipy_blas_entries()] == [1]
-
-
-def test_numpy_blas_is_left_alone(restore_threads):
-    ours = os.path.realpath(threads.blas_controller().lib_controllers[0].filepath)
-    others = lambda: {e["filepath"]: e["num_threads"] for e in threadpoolctl.threadpool_info()
-                      if os.path.realpath(e["filepath"]) != ours}
-    before = others()
-    threads.set_blas_threads(2)
-    threads.set_blas_threads(1)
-    assert others() == before
-
-
-def test_threadpoolctl_limits_still_work(restore_threads):
-    threads.set_blas_threads(2)
-    with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
-        assert threads.get_blas_threads() == 1
-    assert threads.get_blas_threads() == 2
-    with threads.blas_controller().limit(limits=1):
-        assert threads.get_blas_threads() == 1
-    assert threads.get_blas_threads() == 2
-
-
-def test_core_sees_the_blas_thread_count(restore_threads):
-    from lorahook import _rows
-    if _rows._blas_threads() == 0:
-        pytest.skip("SciPy's BLAS here exports no OpenBLAS thread getter")
-    threads.set_blas_threads(2)
-    assert _rows._blas_threads() == 2
-    with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
-        assert _rows._blas_threads() == 1
-    threads.set_blas_threads(1)
-    assert _rows._blas_threads() == 1
-
-
-@pytest.mark.parametrize("setter", ["set_num_threads", "set_blas_threads"])
-@pytest.mark.parametrize("bad", [0, -1])
-def test_setters_reject_non_positive(setter, bad):
-    with pytest.raises(ValueError, match="n must be >= 1"):
-        getattr(threads, setter)(bad)
-
-
-@pytest.mark.parametrize("setter", ["set_num_threads", "set_blas_threads"])
-@pytest.mark.parametrize("bad", [1.5, "2", None, True])
-def test_setters_reject_non_int(setter, bad):
-    with pytest.raises(TypeError, match="n must be an int"):
-        getattr(threads, setter)(bad)
-
-
-def test_blas_info_marks_lorahooks_library():
-    info = threads.blas_info()
-    assert sum(bool(e["lorahook"]) for e in info) == 1
-
-
-@pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("rows", [1, 64])
-def test_results_match_reference_at_each_blas_thread_count(restore_threads, n, rows):
-    rng = np.random.default_rng(n + rows)
-    a = rng.standard_normal((16, 256)).astype(np.float32)
-    b = rng.standard_normal((384, 16)).astype(np.float32)
-    hook = LoraAdapter({(0, "q_proj"): LoraLayer(a, b, 0.5)})
+@pytest.mark.parametrize("blas_threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 31, 300])
+def test_results_match_reference_at_each_blas_thread_count(restore_blas, blas_threads, rows):
+    threads.configure(blas_threads=blas_threads)
+    rng = np.random.default_rng(rows)
+    layer = LoraLayer(rng.standard_normal((16, 256)), rng.standard_normal((384, 16)), 0.5)
+    adapter = LoraAdapter({(0, "q_proj"): layer})
     x = rng.standard_normal((rows, 256)).astype(np.float32)
-    y = rng.standard_normal((rows, 384)).astype(np.float32)
-    ref = y.astype(np.float64) + 0.5 * (x.astype(np.float64) @ a.T.astype(np.float64)) @ b.T.astype(np.float64)
-    threads.set_blas_threads(n)
-    apply_lora_rows(hook, 0, "q_proj", x, y, 256, 384)
+    y0 = rng.standard_normal((rows, 384)).astype(np.float32)
+    y = y0.copy()
+    apply_lora_rows(adapter, 0, "q_proj", x, y, 256, 384)
+    ref = y0 + 0.5 * (x.astype(np.float64) @ layer.a.T.astype(np.float64)) @ layer.b.T.astype(np.float64)
     assert np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+_WARNING = """
+    import warnings
+    import numpy, scipy.linalg
+    import lorahook
+    CONFIGURE
+    rng = numpy.random.default_rng(0)
+    layer = lorahook.LoraLayer(rng.standard_normal((8, 32)), rng.standard_normal((32, 8)))
+    adapter = lorahook.LoraAdapter({(0, "q_proj"): layer})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for rows in (1, 4, 64, 64, 200):
+            x = numpy.ones((rows, 32), numpy.float32)
+            lorahook.apply_lora_rows(adapter, 0, "q_proj", x, numpy.zeros((rows, 32), numpy.float32), 32, 32)
+    info = lorahook.threads.info()
+    both = (not info["numpy_shares_blas"] and info["blas"] and info["numpy_blas"]
+            and info["blas"]["num_threads"] > 1 and info["numpy_blas"]["num_threads"] > 1)
+    print(int(bool(both)), sum("configure(blas_threads=1)" in str(w.message) for w in seen))
+"""
+
+
+def test_two_threaded_blas_pools_warn_once_on_the_first_batched_call():
+    both, warned = _child(_WARNING.replace("CONFIGURE", "")).stdout.split()
+    if both == "0":
+        # one shared pool, or one of them single-threaded: nothing to warn about
+        assert warned == "0"
+        pytest.skip("SciPy's and numpy's BLAS are not two threaded pools here")
+    assert warned == "1"
+
+
+@pytest.mark.parametrize("choice", ["1", "None"])
+def test_an_explicit_configure_silences_the_warning(choice):
+    code = _WARNING.replace("CONFIGURE", f"lorahook.threads.configure(blas_threads={choice})")
+    _, warned = _child(code).stdout.split()
+    assert warned == "0"

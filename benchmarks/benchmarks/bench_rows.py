@@ -1,10 +1,12 @@
 """apply_lora_rows on the paths users hit: noop, decode, prefill, a server loop.
 
-lorahook runs with its defaults: SciPy's BLAS (the one its kernels call) on
-one thread, and its own helper threads for large batched calls.  The
-``threads`` parameter runs that many Python threads calling at once, each on
-its own buffers, and times the whole batch of calls (GIL-release check);
-``LargeCall`` varies lorahook's own threads per call.
+Every ``setup`` calls ``lorahook.threads.configure(blas_threads=...)``
+explicitly: 1 (SciPy's BLAS, the one the kernels call, on one thread: the
+server setting) unless a parameter says otherwise.  The ``threads`` parameter
+runs that many Python threads calling at once, each on its own buffers, and
+times the whole batch of calls (GIL-release check); ``LargeCall`` varies
+SciPy's BLAS threads for a lone large call; ``ServerLoop`` also runs with
+SciPy's BLAS as the process found it (``blas="default"``).
 """
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,21 +24,23 @@ def _layer(rng, d_in, d_out, rank):
     return LoraLayer(a, b, 2.0)
 
 
-def _defaults():
-    """lorahook's default thread settings (also on versions that predate them)."""
-    set_blas = getattr(lh_threads, "set_blas_threads", None)
-    if set_blas is None:
-        lh_threads.set_num_threads(1)  # then the setting was SciPy's BLAS threads
+def _configure(blas_threads=1):
+    """``configure(blas_threads=...)``, on versions that have it (``None``: as found)."""
+    configure = getattr(lh_threads, "configure", None)
+    if configure is not None:
+        configure(blas_threads=blas_threads)
         return
-    set_blas(1)
-    lh_threads.set_num_threads(lh_threads.default_num_threads())
+    if hasattr(lh_threads, "set_num_threads"):  # older versions: no own threads
+        lh_threads.set_num_threads(1)
+    if blas_threads is not None and hasattr(lh_threads, "set_blas_threads"):
+        lh_threads.set_blas_threads(blas_threads)
 
 
 class _Concurrent:
     """Runs ``self._call(i)`` on ``threads`` callers at once."""
 
     def _setup_pool(self, threads):
-        _defaults()
+        _configure()
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
         self.threads = threads
 
@@ -98,15 +102,12 @@ class Rows(_Concurrent):
 
 
 class LargeCall:
-    """A lone large prefill call with 1 or 2 lorahook threads per call."""
+    """A lone large prefill call with SciPy's BLAS on 1 or 2 threads."""
     params = [[(256, 1024, 3584), (512, 4096, 4096)], [1, 2]]
-    param_names = ["rows_shape", "lorahook_threads"]
+    param_names = ["rows_shape", "blas_threads"]
 
-    def setup(self, rows_shape, lorahook_threads):
-        if not hasattr(lh_threads, "set_blas_threads"):
-            raise NotImplementedError  # lorahook without its own threads
-        _defaults()
-        lh_threads.set_num_threads(lorahook_threads)
+    def setup(self, rows_shape, blas_threads):
+        _configure(blas_threads)
         rows, d_in, d_out = rows_shape
         rng = np.random.default_rng(0)
         self.args = (d_in, d_out)
@@ -114,21 +115,22 @@ class LargeCall:
         self.x = rng.standard_normal((rows, d_in)).astype(np.float32)
         self.y = np.zeros((rows, d_out), np.float32)
 
-    def teardown(self, rows_shape, lorahook_threads):
-        _defaults()
+    def teardown(self, rows_shape, blas_threads):
+        _configure()
 
-    def time_apply(self, rows_shape, lorahook_threads):
+    def time_apply(self, rows_shape, blas_threads):
         apply_lora_rows(self.hook, 0, "q_proj", self.x, self.y, *self.args)
 
 
 class ServerLoop(_Concurrent):
     """Qwen3.5-0.8B projections, numpy base matmul then the hook (rank 16)."""
-    params = [[1, 128], [False, True], [1, 2]]
-    param_names = ["rows", "hook", "threads"]
+    params = [[1, 128], [False, True], [1, 2], ["configured", "default"]]
+    param_names = ["rows", "hook", "threads", "blas"]
     timeout = 120
 
-    def setup(self, rows, hook, threads):
+    def setup(self, rows, hook, threads, blas):
         self._setup_pool(threads)
+        _configure(1 if blas == "configured" else None)
         rng = np.random.default_rng(0)
         cfg = Qwen35Config.from_dict(QWEN35_0_8B)
         n_layers = 4  # one full-attention block: 3 linear-attention layers + 1 full
@@ -152,10 +154,14 @@ class ServerLoop(_Concurrent):
             if self.hook is not None:
                 apply_lora_rows(self.hook, li, m, x, y, d_in, d_out)
 
-    def time_loop(self, rows, hook, threads):
+    def teardown(self, *params):
+        super().teardown(*params)
+        _configure()
+
+    def time_loop(self, rows, hook, threads, blas):
         self._run()
 
-    def peakmem_loop(self, rows, hook, threads):
+    def peakmem_loop(self, rows, hook, threads, blas):
         self._run()
 
 
@@ -168,7 +174,7 @@ class MixedBatch:
         AdapterSet = getattr(lorahook, "AdapterSet", None)
         if AdapterSet is None:
             raise NotImplementedError
-        _defaults()
+        _configure()
         rng = np.random.default_rng(0)
         s = AdapterSet()
         for k in range(adapters):
