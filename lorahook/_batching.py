@@ -169,8 +169,11 @@ class _Owner:
 class _Queue:
     """Pending calls of one instance in one event loop, and the worker that batches them.
 
-    Used only from the thread running that loop.  It holds no reference to
-    the loop (it is a weak key) nor, between batches, to the instance.
+    Used only from the thread running that loop.  It keeps no reference to
+    the loop (a weak key) nor, when idle, to the instance.  While calls are
+    pending it does reach the loop through their futures, so a loop closed
+    with calls still pending (``asyncio.run`` cancels them first) keeps its
+    queue alive.
     """
 
     __slots__ = ("_batcher", "_pending", "_waiter", "_worker", "__weakref__")
@@ -189,7 +192,9 @@ class _Queue:
             self._worker = contextvars.Context().run(
                 loop.create_task, self._work(loop, owner),
                 name=f"lorahook batch worker for {self._batcher.qualname}")
-        else:
+        elif len(self._pending) >= self._batcher.max_batch_size:
+            # Only now can a waiting batch be full; an arrival never moves the
+            # deadline, which counts from the oldest pending call.
             self.poke()
 
     def discard(self, call):
@@ -502,8 +507,9 @@ def batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_adapters=None):
         ``max_batch_size`` calls (never split by adapter, nor by Ray's
         multiplexed model id).  A batch starts when it is full or when
         ``batch_wait_timeout_s`` seconds have passed since the oldest pending
-        call arrived, whichever is first; ``0`` takes what is pending as soon
-        as the worker runs.  ``f`` receives the names and items as two lists
+        call arrived, whichever is first, and never before the previous batch
+        of the same instance has finished; ``0`` takes whatever is pending as
+        soon as the batching task runs.  ``f`` receives the names and items as two lists
         in arrival order and must return a list (or another sized sequence)
         with one result per item, in the same order.
 
