@@ -1,0 +1,586 @@
+"""Batches that mix adapters: the asyncio batcher behind :func:`lorahook.ray_serve.batch`.
+
+Pure asyncio; this module never imports ray.  It works in any asyncio
+program, inside a Ray Serve replica or not.
+
+How it works
+------------
+Every call ``await obj.f(adapter_name, item)`` becomes a pending *call* (the
+name, the item, a future and its arrival time) in a queue.  There is one
+queue per instance (per decorated function for a plain function) and per
+running event loop, made on first use and kept in the decorated function's
+private state: the instance is referred to weakly and the loop is a weak key,
+so an instance or a loop that is gone takes its queues with it, and nothing
+is stored on the instance or the class.  That is why the decorated class
+pickles at any time -- before or after use, with :mod:`pickle` or by value
+with ``cloudpickle`` as Ray ships deployment classes -- and why one instance
+works from several ``asyncio.run`` calls or from loops in several threads:
+the settings travel, the queues do not.
+
+A queue has at most one worker task, started by the first call that finds
+it idle and ending when nothing is pending.  The worker forms a batch from
+the pending calls, in arrival order, and runs the decorated function on it
+in a task of its own, in an empty :class:`contextvars.Context`; it waits for
+that task before it forms the next batch, so the batches of one queue run
+one at a time.
+
+Cancellation: a caller cancelled while its call is pending removes the call
+from the queue (the batch is never told).  Once a batch has started, the
+function runs on its own task, so cancelling a caller only drops that
+caller's result; the batch runs to its end for the others.
+"""
+import asyncio
+import collections
+import contextvars
+import functools
+import inspect
+import math
+import numbers
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Mapping
+
+__all__ = ["batch"]
+
+
+def _found(value):
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(value).__name__} ({text})"
+
+
+def _check_max_batch_size(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"max_batch_size must be an int >= 1, found {_found(value)}")
+    if value < 1:
+        raise ValueError(f"max_batch_size must be an int >= 1, found {value!r}")
+    return int(value)
+
+
+def _check_batch_wait_timeout_s(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"batch_wait_timeout_s must be a finite number of seconds >= 0, found {_found(value)}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"batch_wait_timeout_s must be a finite number of seconds >= 0, found {value!r}")
+    return value
+
+
+def _check_max_adapters(value):
+    if value is None:
+        return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(
+                f"max_adapters must be None, an int >= 1 or a callable fits(frozenset) -> bool, "
+                f"found {value!r}")
+        return int(value)
+    if callable(value) and not isinstance(value, (bool, numbers.Number, str, bytes)):
+        return value
+    raise TypeError(
+        f"max_adapters must be None, an int >= 1 or a callable fits(frozenset) -> bool, "
+        f"found {_found(value)}")
+
+
+def _check_adapter_name(name):
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise TypeError(
+            f"adapter_name must be a str or None (the base model), found {_found(name)}")
+    if not name:
+        raise ValueError(
+            "adapter_name must be a non-empty str or None (the base model), found ''")
+    return name
+
+
+def _replica_max_ongoing_requests():
+    """``max_ongoing_requests`` of the Ray Serve deployment this code runs in, or ``None``.
+
+    ``None`` outside a replica.  Never imports ray: a replica has imported
+    ``ray.serve`` long before any request arrives, so when it is not in
+    :data:`sys.modules` there is no replica to ask.  The deployment's settings
+    are read where Ray's own ``serve.batch`` reads them, from the replica
+    context.
+    """
+    serve = sys.modules.get("ray.serve")
+    get_context = getattr(serve, "get_replica_context", None)
+    if get_context is None:
+        return None
+    try:
+        context = get_context()
+    except Exception:  # outside a replica Ray raises RayServeException
+        return None
+    value = getattr(getattr(context, "_deployment_config", None), "max_ongoing_requests", None)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+class _Call:
+    """One pending ``await f(adapter_name, item)``."""
+
+    __slots__ = ("name", "item", "future", "arrival")
+
+    def __init__(self, name, item, future, arrival):
+        self.name = name
+        self.item = item
+        self.future = future
+        self.arrival = arrival
+
+
+def _fail(calls, exc):
+    for call in calls:
+        if not call.future.done():
+            call.future.set_exception(exc)
+
+
+def _cancel(calls):
+    for call in calls:
+        call.future.cancel()
+
+
+def _wake(future):
+    if not future.done():
+        future.set_result(None)
+
+
+class _Owner:
+    """The queues of one instance (or of a plain function): event loop -> :class:`_Queue`."""
+
+    __slots__ = ("ref", "queues")
+
+    def __init__(self, owner, callback):
+        try:
+            self.ref = weakref.ref(owner, callback)
+        except TypeError:
+            # Not weakly referenceable (``__slots__`` without ``__weakref__``,
+            # or None for a plain function): keep it, and its queues, for the
+            # life of the decorated function.
+            self.ref = lambda owner=owner: owner
+        self.queues = weakref.WeakKeyDictionary()
+
+
+class _Queue:
+    """Pending calls of one instance in one event loop, and the worker that batches them.
+
+    Used only from the thread running that loop.  It keeps no reference to
+    the loop (a weak key) nor, when idle, to the instance.  While calls are
+    pending it does reach the loop through their futures, so a loop closed
+    with calls still pending (``asyncio.run`` cancels them first) keeps its
+    queue alive.
+    """
+
+    __slots__ = ("_batcher", "_pending", "_waiter", "_worker", "__weakref__")
+
+    def __init__(self, batcher):
+        self._batcher = batcher
+        self._pending = collections.deque()
+        self._waiter = None
+        self._worker = None
+
+    def put(self, call, owner):
+        self._pending.append(call)
+        if self._worker is None:
+            loop = asyncio.get_running_loop()
+            # The worker (and so max_adapters) never sees the first caller's context.
+            self._worker = contextvars.Context().run(
+                loop.create_task, self._work(loop, owner),
+                name=f"lorahook batch worker for {self._batcher.qualname}")
+        elif len(self._pending) >= self._batcher.max_batch_size:
+            # Only now can a waiting batch be full; an arrival never moves the
+            # deadline, which counts from the oldest pending call.
+            self.poke()
+
+    def discard(self, call):
+        """Forget a call whose caller was cancelled before its batch started."""
+        try:
+            self._pending.remove(call)
+        except ValueError:
+            return  # already in a batch, or already failed
+        self.poke()  # the oldest pending call may have changed
+
+    def poke(self):
+        """Make a waiting worker look at the queue and the settings again."""
+        if self._waiter is not None:
+            _wake(self._waiter)
+
+    def _select(self):
+        """The calls of the next batch, without taking them, and whether the batch is full.
+
+        Walks the pending calls in arrival order and takes every call that
+        keeps the batch within ``max_batch_size`` and ``max_adapters``.  A
+        call whose adapter does not fit on its own fails here (``ValueError``),
+        as does one for which ``fits`` raises (with that exception) or does not
+        return a bool (``TypeError``).  The first pending call is always taken
+        or failed, so every call is served in a bounded number of batches.
+        """
+        batcher = self._batcher
+        limit = batcher.max_batch_size
+        rule = batcher.max_adapters
+        names = frozenset()
+        chosen = []
+        failed = []
+        for call in list(self._pending):  # fits() may add calls
+            if len(chosen) >= limit:
+                break
+            if call.future.done():
+                continue
+            name = call.name
+            if name is None or name in names or rule is None:
+                chosen.append(call)
+                if name is not None:
+                    names = names | {name}
+                continue
+            candidate = names | {name}
+            if isinstance(rule, int):
+                fits = len(candidate) <= rule
+            else:
+                try:
+                    fits = rule(candidate)
+                except Exception as exc:
+                    failed.append((call, exc))
+                    continue
+                if not isinstance(fits, bool):
+                    failed.append((call, TypeError(
+                        f"max_adapters callable {_found(rule)} must return a bool, "
+                        f"found {_found(fits)} for {set(candidate)!r}")))
+                    continue
+            if fits:
+                chosen.append(call)
+                names = candidate
+            elif not names:
+                if isinstance(rule, int):
+                    reason = f"max_adapters={rule}"
+                else:
+                    reason = f"max_adapters callable {_found(rule)} returned False for {{{name!r}}}"
+                failed.append((call, ValueError(
+                    f"adapter {name!r} does not fit in a batch on its own ({reason}), "
+                    f"so no batch can serve it")))
+        for call, exc in failed:
+            self._pending.remove(call)
+            _fail((call,), exc)
+        return chosen, len(chosen) >= limit
+
+    async def _sleep_until(self, loop, deadline):
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_at(deadline, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    async def _work(self, loop, owner):
+        batcher = self._batcher
+        running = ()
+        task = None
+        try:
+            while True:
+                pending = self._pending
+                while pending and pending[0].future.done():
+                    pending.popleft()
+                if not pending:
+                    return
+                chosen, full = self._select()
+                if not pending:
+                    return
+                deadline = pending[0].arrival + batcher.batch_wait_timeout_s
+                if not chosen or (not full and loop.time() < deadline):
+                    await self._sleep_until(loop, deadline)
+                    continue
+                taken = set(map(id, chosen))
+                left = [call for call in pending if id(call) not in taken]
+                pending.clear()
+                pending.extend(left)  # left calls stay first, in arrival order
+                running = chosen
+                task = contextvars.Context().run(batcher.start, loop, owner, chosen)
+                # wait() neither raises the batch's exception here nor cancels
+                # the batch when a caller is cancelled.
+                await asyncio.wait((task,))
+                batcher.deliver(chosen, task)
+                running, task = (), None
+        except (asyncio.CancelledError, Exception) as exc:
+            # The worker itself was cancelled (its event loop is shutting
+            # down) or failed: nobody must wait forever.
+            if task is not None:
+                task.cancel()
+            waiting = list(running) + list(self._pending)
+            self._pending.clear()
+            if isinstance(exc, asyncio.CancelledError):
+                _cancel(waiting)
+            else:
+                _fail(waiting, exc)
+            raise
+        finally:
+            self._worker = None
+
+
+class _Batcher:
+    """Settings and queues of one decorated function.  Pickles as its settings only."""
+
+    def __init__(self, func, is_method, max_batch_size, batch_wait_timeout_s, max_adapters):
+        self.func = func
+        self.is_method = is_method
+        self.qualname = getattr(func, "__qualname__", repr(func))
+        self.max_batch_size = max_batch_size
+        self.batch_wait_timeout_s = batch_wait_timeout_s
+        self.max_adapters = max_adapters
+        self._lock = threading.RLock()
+        self._owners = {}  # id(owner) -> _Owner
+
+    def __reduce__(self):
+        return (_Batcher, (self.func, self.is_method, self.max_batch_size,
+                           self.batch_wait_timeout_s, self.max_adapters))
+
+    # -- settings ---------------------------------------------------------
+
+    def set_max_batch_size(self, max_batch_size):
+        """Change ``max_batch_size`` (an int >= 1) for every instance, from the next batch on.
+
+        Warns when the Ray Serve deployment this runs in has
+        ``max_ongoing_requests`` below it.
+        """
+        self.max_batch_size = _check_max_batch_size(max_batch_size)
+        self._poke_all()
+        self._warn_if_replica_limits(stacklevel=2)
+
+    def set_batch_wait_timeout_s(self, batch_wait_timeout_s):
+        """Change ``batch_wait_timeout_s`` (finite, >= 0) for every instance, from now on."""
+        self.batch_wait_timeout_s = _check_batch_wait_timeout_s(batch_wait_timeout_s)
+        self._poke_all()
+
+    def _poke_all(self):
+        # Waiting workers recompute their deadline with the new settings.
+        with self._lock:
+            queues = [(loop, queue) for entry in self._owners.values()
+                      for loop, queue in entry.queues.items()]
+        for loop, queue in queues:
+            try:
+                loop.call_soon_threadsafe(queue.poke)
+            except RuntimeError:  # that loop is closed: nothing waits there
+                pass
+
+    def _warn_if_replica_limits(self, stacklevel):
+        limit = _replica_max_ongoing_requests()
+        if limit is not None and limit < self.max_batch_size:
+            warnings.warn(
+                f"{self.qualname}: max_batch_size ({self.max_batch_size}) is larger than this "
+                f"Ray Serve deployment's max_ongoing_requests ({limit}): a replica never holds "
+                f"more than {limit} requests, so its batches never reach max_batch_size; set "
+                f"max_ongoing_requests >= max_batch_size",
+                UserWarning,
+                stacklevel=stacklevel + 1,
+            )
+
+    # -- queues -----------------------------------------------------------
+
+    def _queue(self, owner, loop):
+        key = id(owner)
+        owners = self._owners
+        lock = self._lock
+        with lock:
+            entry = owners.get(key)
+            if entry is None or entry.ref() is not owner:
+                def forget(ref, key=key):
+                    with lock:
+                        current = owners.get(key)
+                        if current is not None and current.ref is ref:
+                            del owners[key]
+                entry = owners[key] = _Owner(owner, forget)
+            queue = entry.queues.get(loop)
+            if queue is not None:
+                return queue
+            queue = entry.queues[loop] = _Queue(self)
+        self._warn_if_replica_limits(stacklevel=4)
+        return queue
+
+    async def submit(self, owner, adapter_name, item):
+        adapter_name = _check_adapter_name(adapter_name)
+        loop = asyncio.get_running_loop()
+        queue = self._queue(owner, loop)
+        call = _Call(adapter_name, item, loop.create_future(), loop.time())
+        queue.put(call, owner)
+        try:
+            return await call.future
+        except asyncio.CancelledError:
+            queue.discard(call)
+            raise
+
+    # -- running a batch ----------------------------------------------------
+
+    def start(self, loop, owner, calls):
+        """The task running the function on ``calls``; called in an empty context."""
+        names = [call.name for call in calls]
+        items = [call.item for call in calls]
+        args = (owner, names, items) if self.is_method else (names, items)
+        return loop.create_task(self._run(args))
+
+    async def _run(self, args):
+        return await self.func(*args)
+
+    def deliver(self, calls, task):
+        """Hand each caller of a finished batch its result, or the batch's exception."""
+        try:
+            exc = task.exception()
+        except asyncio.CancelledError as cancelled:  # a CancelledError inside the function
+            exc = cancelled
+        if exc is None:
+            results = task.result()
+            if isinstance(results, (str, bytes, bytearray, Mapping)) or not hasattr(results, "__len__"):
+                exc = TypeError(
+                    f"{self.qualname} must return a list with one result per item, "
+                    f"found {_found(results)}")
+            elif len(results) != len(calls):
+                exc = ValueError(
+                    f"{self.qualname} returned {len(results)} results for a batch of "
+                    f"{len(calls)} items; it must return one result per item, in order")
+            else:
+                try:
+                    results = list(results)
+                except Exception as err:
+                    exc = err
+        if exc is not None:
+            _fail(calls, exc)
+            return
+        for call, result in zip(calls, results):
+            if not call.future.done():  # its caller was cancelled: drop the result
+                call.future.set_result(result)
+
+
+def _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters):
+    if not callable(func):
+        raise TypeError(f"batch decorates an 'async def' function, found {_found(func)}")
+    if inspect.isasyncgenfunction(func):
+        raise TypeError(
+            f"batch decorates an 'async def' function returning a list, found the async "
+            f"generator function {func.__qualname__}; batch does not stream results")
+    if not inspect.iscoroutinefunction(func):
+        raise TypeError(
+            f"batch decorates an 'async def' function, found the regular function "
+            f"{getattr(func, '__qualname__', func)!r}")
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        params = None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if (params is None or any(p.kind not in positional for p in params)
+            or len(params) not in (2, 3)):
+        raise TypeError(
+            f"batch decorates f(self, adapter_names, items) or f(adapter_names, items), found "
+            f"{func.__qualname__}{inspect.signature(func) if params is not None else '(?)'}")
+    is_method = len(params) == 3
+    batcher = _Batcher(func, is_method, max_batch_size, batch_wait_timeout_s, max_adapters)
+
+    if is_method:
+        async def wrapper(self, adapter_name, item, /):
+            return await batcher.submit(self, adapter_name, item)
+    else:
+        async def wrapper(adapter_name, item, /):
+            return await batcher.submit(None, adapter_name, item)
+    signature = inspect.signature(wrapper)
+    wrapper = functools.wraps(func)(wrapper)
+    wrapper.__signature__ = signature
+    wrapper.set_max_batch_size = batcher.set_max_batch_size
+    wrapper.set_batch_wait_timeout_s = batcher.set_batch_wait_timeout_s
+    wrapper._lorahook_batcher = batcher
+    return wrapper
+
+
+def batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_adapters=None):
+    """Batch concurrent calls of an async function, mixing adapters in one batch.
+
+    Decorates ``async def f(self, adapter_names, items) -> list`` (a method)
+    or ``async def f(adapter_names, items) -> list`` (a plain function),
+    recognised by the number of its positional parameters, three or two.
+    Callers ``await obj.f(adapter_name, item)`` -- one adapter name (a
+    non-empty ``str``, or ``None`` for the base model) and one item -- and get
+    back their own result.  ``@batch`` alone uses the defaults.
+
+    Batches
+        Pending calls of any adapters are gathered into one batch of at most
+        ``max_batch_size`` calls (never split by adapter, nor by Ray's
+        multiplexed model id).  A batch starts when it is full or when
+        ``batch_wait_timeout_s`` seconds have passed since the oldest pending
+        call arrived, whichever is first, and never before the previous batch
+        of the same instance has finished; ``0`` takes whatever is pending as
+        soon as the batching task runs.  ``f`` receives the names and items as two lists
+        in arrival order and must return a list (or another sized sequence)
+        with one result per item, in the same order.
+
+    ``max_adapters``
+        ``None`` (no limit), an ``int`` ``k >= 1`` (at most ``k`` distinct
+        non-``None`` names in a batch, like vLLM's ``max_loras``), or a
+        callable ``fits(names) -> bool`` taking a ``frozenset`` of the
+        distinct non-``None`` names a batch would hold.  A call whose adapter
+        would break the limit is left for a later batch; left calls go first
+        there, in arrival order, so no adapter starves behind a steady stream
+        of others.  ``fits`` is asked while batches are formed, in an empty
+        context, possibly more than once for the same set: make it fast and
+        free of side effects, and monotone (a subset of a set that fits
+        fits).  A call whose adapter does not fit on its own fails with
+        ``ValueError``; if ``fits`` raises, or returns something other than a
+        ``bool`` (``TypeError``), that error goes to the call being placed.
+
+    Concurrency and context
+        The batches of one instance run one at a time (different instances,
+        and different event loops, batch independently).  ``f`` runs in a
+        task of its own in an empty :class:`contextvars.Context`: nothing the
+        callers set in context variables (a sequence selection, Ray's request
+        context) is visible inside it.
+
+    Errors and cancellation
+        An exception raised by ``f`` (including a ``CancelledError`` raised
+        inside it), a result that is not a sized sequence (``TypeError``) or
+        one of the wrong length (``ValueError``) is raised to every caller of
+        that batch, and to no other caller.  A caller cancelled before its
+        batch starts is removed and never reaches ``f``; one cancelled after
+        its batch started leaves ``f`` running for everyone and its result is
+        dropped.
+
+    Queues, pickling, event loops
+        Queues are made on first use, one per instance and per running event
+        loop, and are not part of the decorated function's pickled state: the
+        decorated class or function pickles at any time (with ``cloudpickle``
+        by value too), and an instance can be used from several
+        ``asyncio.run`` calls or from event loops in several threads.
+
+    Settings
+        The returned function has ``set_max_batch_size(n)`` and
+        ``set_batch_wait_timeout_s(s)`` (for a Ray Serve deployment's
+        ``reconfigure``).  Settings belong to the decorated function: they
+        apply to all its instances, from the next batch decision on.
+
+    Ray Serve
+        Inside a Ray Serve replica whose deployment has
+        ``max_ongoing_requests`` below ``max_batch_size``, a ``UserWarning``
+        says so when a queue is first made and on ``set_max_batch_size``: the
+        replica never holds enough requests to fill a batch.  Outside Ray
+        there is no check, and ray is never imported.
+
+    Raises ``TypeError`` or ``ValueError`` naming the argument at fault for
+    invalid settings, a function that is not ``async def`` or has the wrong
+    parameters, and (at the call) an adapter name that is not a non-empty
+    ``str`` or ``None``.
+    """
+    if callable(max_batch_size) and not isinstance(max_batch_size, numbers.Number):
+        # Used bare: @batch
+        func = max_batch_size
+        if batch_wait_timeout_s != 0.01 or max_adapters is not None:
+            raise TypeError(
+                "batch(func) takes no other arguments; write @batch(max_batch_size=..., "
+                "batch_wait_timeout_s=..., max_adapters=...) to set them")
+        return _decorate(func, 16, 0.01, None)
+    max_batch_size = _check_max_batch_size(max_batch_size)
+    batch_wait_timeout_s = _check_batch_wait_timeout_s(batch_wait_timeout_s)
+    max_adapters = _check_max_adapters(max_adapters)
+
+    def decorator(func):
+        return _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters)
+
+    return decorator
