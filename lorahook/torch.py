@@ -29,6 +29,40 @@ A bound batch from :meth:`lorahook.AdapterSet.bind` works too; it must be
 bound for exactly ``batch * seq`` rows, one entry per token (repeat a
 sequence's adapter name ``seq`` times -- :func:`token_rows` does that).
 
+Per-sequence adapters through a whole ``generate``
+--------------------------------------------------
+``attach(model, adapter_set)`` with an :class:`lorahook.AdapterSet` hooks
+every mapped linear and applies nothing until a selection is made::
+
+    attached = attach(model, adapters)          # once, at start-up
+    with torch.inference_mode(), attached.sequences(["support", None, "legal"]):
+        out = model.generate(**batch)           # prefill and every decode step
+
+Inside the block, a linear whose input is ``(B, L, d_in)`` applies the
+selection with ``B`` a multiple of ``S = len(seq_adapters)``: batch entry
+``b`` belongs to sequence ``b // (B // S)`` (the ``repeat_interleave``
+layout, so beam search and ``num_return_sequences`` work as in PEFT's
+``adapter_names``); a 2-D ``(N, d_in)`` input follows
+:meth:`lorahook.AdapterSet.bind_sequences`.  The selection is bound once, at
+block entry (a snapshot: a hot swap during ``generate`` does not tear it), and
+checked against the model's hooked linears there (unknown names:
+``KeyError``; a misfit: :class:`lorahook.LoraValidationError`).  Outside any
+block the model is the base model, and a linear no selected adapter covers
+costs one dictionary lookup.
+
+The selection belongs to the current context (:mod:`contextvars`): two
+threads generating on one model with different selections each get their
+own.  A thread started inside a block does not inherit it; enter the same
+selection object again in that thread, or run the thread's target in a copy
+of the context::
+
+    with attached.sequences(names) as selection:
+        ctx = contextvars.copy_context()        # carries the selection
+        Thread(target=ctx.run, args=(model.generate,), kwargs=batch).start()
+        # or: Thread(target=lambda: selection.run(model.generate, **batch))
+
+Blocks nest: the inner selection wins and the outer one is back on exit.
+
 Not supported (refused with a clear error rather than silently wrong):
 
 * bf16 / fp16 / float64 weights or activations: lorahook computes in float32
@@ -43,12 +77,18 @@ Not supported (refused with a clear error rather than silently wrong):
   ``torch.no_grad()``); the hook refuses to run when gradients are being
   recorded for the output.
 """
+import contextvars
 import re
+import threading
 
 from .hook import LoraHook, apply_lora_rows
 from .peft import _BERT_SUFFIX
 
-__all__ = ["attach", "default_mapping", "token_rows", "AttachedHooks"]
+__all__ = ["attach", "default_mapping", "token_rows", "AttachedHooks", "Selection"]
+
+# The selections in force in the current context: {attach key: bound hook},
+# replaced as a whole (never mutated) on every block entry and exit.
+_SELECTIONS = contextvars.ContextVar("lorahook_torch_selections", default=None)
 
 _QWEN35 = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\."
@@ -76,12 +116,50 @@ def token_rows(per_sequence, seq_len):
 
 
 class AttachedHooks:
-    """What :func:`attach` returns: ``remove()`` detaches every hook (also on ``with`` exit)."""
+    """What :func:`attach` returns: ``remove()`` detaches every hook (also on ``with`` exit).
 
-    def __init__(self, handles, modules):
+    When attached with an :class:`lorahook.AdapterSet`, :meth:`sequences`
+    makes the per-sequence selections.
+    """
+
+    def __init__(self, handles, modules, adapter_set=None, shapes=None, key=None):
         self._handles = handles
         #: ``{module path: (layer_idx, module)}`` of the hooked ``nn.Linear`` modules.
         self.modules = modules
+        self._adapter_set = adapter_set
+        self._shapes = shapes or {}
+        self._key = key
+
+    def sequences(self, seq_adapters, scales=None):
+        """A :class:`Selection`: per sequence an adapter name of the set or ``None``.
+
+        Use it as a context manager around the forwards or ``generate`` it
+        applies to; ``scales`` is as in :meth:`lorahook.AdapterSet.bind`, per
+        sequence.
+        """
+        if self._adapter_set is None:
+            raise TypeError("sequences() needs a model attached with a lorahook.AdapterSet "
+                            "(attach(model, adapter_set)); this one was attached with one hook")
+        return Selection(self, seq_adapters, scales)
+
+    def _bind(self, seq_adapters, scales):
+        """Bind a selection and check every adapter it applies against the hooked linears."""
+        from .errors import LoraValidationError
+        hook = self._adapter_set.bind_sequences(seq_adapters, scales)
+        for name in sorted(hook.adapters):
+            adapter = hook.adapters[name]
+            for key in adapter.keys():
+                layer = adapter.layers[key]
+                if key not in self._shapes:
+                    raise LoraValidationError(
+                        f"adapter {name!r} layer {key[0]} module {key[1]!r} matches no hooked "
+                        f"nn.Linear in the model")
+                if (layer.d_in, layer.d_out) != self._shapes[key]:
+                    raise LoraValidationError(
+                        f"adapter {name!r} layer {key[0]} module {key[1]!r} has (d_in, d_out) = "
+                        f"{(layer.d_in, layer.d_out)}, but the model's nn.Linear is "
+                        f"(in_features, out_features) = {self._shapes[key]}")
+        return hook
 
     def remove(self):
         for h in self._handles:
@@ -99,6 +177,68 @@ class AttachedHooks:
 
     def __repr__(self):
         return f"AttachedHooks({len(self.modules)} linear modules)"
+
+
+class Selection:
+    """Per-sequence adapters for the forwards run inside ``with selection:``.
+
+    Made by :meth:`AttachedHooks.sequences`.  The first entry binds the
+    selection (:meth:`lorahook.AdapterSet.bind_sequences`) and checks it
+    against the model; later entries -- nested, or in other threads and
+    contexts -- reuse that snapshot.  Entering sets the selection for the
+    current context only; exiting gives back the one in force before.
+    :meth:`run` calls a function inside the selection (for a thread's target).
+    """
+
+    def __init__(self, attached, seq_adapters, scales=None):
+        if isinstance(seq_adapters, (str, bytes)) or not hasattr(seq_adapters, "__len__"):
+            raise TypeError(f"seq_adapters must be a sequence of adapter names or None, "
+                            f"got {type(seq_adapters).__name__}")
+        self._attached = attached
+        self._names = tuple(seq_adapters)
+        self._scales = scales
+        self._hook = None
+        self._lock = threading.Lock()
+        # this object's entries in the current context, innermost last
+        self._tokens = contextvars.ContextVar("lorahook_selection_tokens", default=())
+
+    @property
+    def seq_adapters(self):
+        """Per sequence, the adapter name or ``None``."""
+        return self._names
+
+    @property
+    def hook(self):
+        """The bound hook (bound on first use)."""
+        if self._hook is None:
+            with self._lock:
+                if self._hook is None:
+                    self._hook = self._attached._bind(self._names, self._scales)
+        return self._hook
+
+    def __enter__(self):
+        hook = self.hook
+        current = _SELECTIONS.get()
+        chosen = dict(current) if current else {}
+        chosen[self._attached._key] = hook
+        token = _SELECTIONS.set(chosen)
+        self._tokens.set(self._tokens.get() + (token,))
+        return self
+
+    def __exit__(self, *exc):
+        stack = self._tokens.get()
+        if not stack:
+            raise RuntimeError("this selection was not entered in the current context")
+        self._tokens.set(stack[:-1])
+        _SELECTIONS.reset(stack[-1])
+
+    def run(self, fn, /, *args, **kwargs):
+        """``fn(*args, **kwargs)`` inside this selection (e.g. a thread's target)."""
+        with self:
+            return fn(*args, **kwargs)
+
+    def __repr__(self):
+        return f"Selection({list(self._names)!r})"
 
 
 def _as_numpy(t, what, path):
@@ -124,7 +264,11 @@ def attach(model, hook, *, mapping=None):
     """Register forward hooks that apply ``hook`` to the model's ``nn.Linear`` outputs.
 
     ``hook`` is any :class:`lorahook.LoraHook` -- a :class:`lorahook.LoraAdapter`
-    or a batch bound with :meth:`lorahook.AdapterSet.bind`.  ``mapping`` is
+    or a batch bound with :meth:`lorahook.AdapterSet.bind` -- or an
+    :class:`lorahook.AdapterSet`: then every mapped linear is hooked, nothing
+    is applied until a selection is made with ``attached.sequences(...)``
+    (see the module docstring), and adapters added to the set later can be
+    selected too.  ``mapping`` is
     ``None`` (Qwen3.5 and BERT paths, see the module docstring), a callable
     ``path -> (layer_idx, module) or None`` or a dict ``path -> (layer_idx,
     module)``.  Returns an :class:`AttachedHooks`; call ``.remove()`` (or use it
@@ -141,9 +285,12 @@ def attach(model, hook, *, mapping=None):
 
     from .adapter import LoraAdapter
     from .errors import LoraValidationError
+    from .serving import AdapterSet
 
-    if not isinstance(hook, LoraHook):
-        raise TypeError(f"hook must be a lorahook.LoraHook, got {type(hook).__name__}")
+    adapter_set = hook if isinstance(hook, AdapterSet) else None
+    if adapter_set is None and not isinstance(hook, LoraHook):
+        raise TypeError(f"hook must be a lorahook.LoraHook or a lorahook.AdapterSet, "
+                        f"got {type(hook).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     resolve = _resolve_mapping(mapping)
@@ -191,6 +338,15 @@ def attach(model, hook, *, mapping=None):
         found = {p: k for p, k in found.items() if hook.is_active(*k)}
 
     handles = []
+    if adapter_set is not None:
+        attach_key = object()  # names this attachment in the context's selections
+        shapes = {}
+        for path, key in found.items():
+            mod = model.get_submodule(path)
+            shapes[key] = (mod.in_features, mod.out_features)
+            handles.append(mod.register_forward_hook(_make_selection_hook(
+                attach_key, path, key, mod.in_features, mod.out_features)))
+        return AttachedHooks(handles, dict(found), adapter_set, shapes, attach_key)
     for path, key in found.items():
         mod = model.get_submodule(path)
         handles.append(mod.register_forward_hook(_make_hook(hook, path, key,
@@ -198,23 +354,53 @@ def attach(model, hook, *, mapping=None):
     return AttachedHooks(handles, dict(found))
 
 
+def _run(hook, path, layer_idx, module, x, output, d_in, d_out):
+    """Apply ``hook`` to one linear's input and output tensors; returns a replaced output or None."""
+    import torch
+    if output.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"lorahook.torch: {path}: gradients are being recorded; lorahook's "
+                           f"hooks are for inference (use torch.inference_mode())")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    replaced = None
+    if not output.is_contiguous():
+        output = replaced = output.contiguous()
+    xin = _as_numpy(x, "input", path).reshape(-1)
+    yout = _as_numpy(output, "output", path).reshape(-1)
+    apply_lora_rows(hook, layer_idx, module, xin, yout, d_in, d_out)
+    return replaced
+
+
 def _make_hook(hook, path, key, d_in, d_out):
     layer_idx, module = key
 
     def forward_hook(mod, inputs, output):
-        import torch
+        return _run(hook, path, layer_idx, module, inputs[0], output, d_in, d_out)
+
+    return forward_hook
+
+
+def _make_selection_hook(attach_key, path, key, d_in, d_out):
+    layer_idx, module = key
+
+    def forward_hook(mod, inputs, output):
+        chosen = _SELECTIONS.get()
+        if chosen is None:
+            return None
+        hook = chosen.get(attach_key)
+        if hook is None or not hook.is_active(layer_idx, module):
+            return None
         x = inputs[0]
-        if output.requires_grad and torch.is_grad_enabled():
-            raise RuntimeError(f"lorahook.torch: {path}: gradients are being recorded; lorahook's "
-                               f"hooks are for inference (use torch.inference_mode())")
-        if not x.is_contiguous():
-            x = x.contiguous()
-        replaced = None
-        if not output.is_contiguous():
-            output = replaced = output.contiguous()
-        xin = _as_numpy(x, "input", path).reshape(-1)
-        yout = _as_numpy(output, "output", path).reshape(-1)
-        apply_lora_rows(hook, layer_idx, module, xin, yout, d_in, d_out)
-        return replaced
+        s = hook.n_sequences
+        if x.dim() == 3:
+            if s == 0 or x.shape[0] % s:
+                raise ValueError(
+                    f"lorahook.torch: {path}: the selection has {s} sequences, but the input's "
+                    f"batch size {x.shape[0]} is not a multiple of {s} (input shape "
+                    f"{tuple(x.shape)})")
+        elif x.dim() != 2:
+            raise ValueError(f"lorahook.torch: {path}: a selection applies to (batch, seq, d_in) "
+                             f"or (rows, d_in) inputs, got shape {tuple(x.shape)}")
+        return _run(hook, path, layer_idx, module, x, output, d_in, d_out)
 
     return forward_hook
