@@ -392,6 +392,8 @@ def _run(progress, quick, thread_study):
         ("server prefill 128 rows x 4 layers", (128, 4)),
         ("two threads x 128 rows", None),
         ("mixed 128 rows, 8 adapters x 16 rows, 1024->3584 r16", None),
+        ("bind 256 rows x 8 adapters + one pass (Qwen3.5-0.8B)", None),
+        ("generate 4 sequences, 3 adapters + base", None),
     ]
     if thread_study:
         steps.append(("thread study", None))
@@ -422,6 +424,10 @@ def _run(progress, quick, thread_study):
             res["threads"] = _two_threads(timer, rng)
         elif label.startswith("mixed"):
             res["mixed"] = dict(_mixed(timer, rng, torch, rounds=rounds), label=label)
+        elif label.startswith("bind"):
+            res["bind"] = _bind_cost(rng, 3 if quick else 9)
+        elif label.startswith("generate"):
+            res["generate"] = _generate_scenario(quick)
         elif label == "thread study":
             res["thread_study"] = _thread_study(timer, rng)
     if progress is not None:
@@ -430,6 +436,63 @@ def _run(progress, quick, thread_study):
     res["torch"] = None if torch is None else (torch.__version__, torch.get_num_threads())
     res["blas_threads"] = res["info"]["blas_threads"]
     return res
+
+
+def bind_cost_setup(rng, n_rows=256, n_adapters=8, rank=16):
+    """Qwen3.5-0.8B, ``n_adapters`` adapters covering every projection, random row names.
+
+    Returns ``(adapter_set, row_names, one_pass)`` where ``one_pass(hook)``
+    applies ``hook`` to every projection of the model once.
+    """
+    from . import AdapterSet, LoraAdapter, Qwen35Config, apply_lora_rows
+    cfg = Qwen35Config.from_dict(QWEN35_0_8B)
+    keys = [(li, m) for li in range(cfg.num_hidden_layers) for m in cfg.modules_for_layer(li)]
+    shapes = {k: cfg.projection_shape(*k) for k in keys}
+    adapters = AdapterSet()
+    for i in range(n_adapters):
+        adapters.add(f"a{i}", LoraAdapter({k: _layer(rng, *shapes[k], rank) for k in keys}))
+    names = [f"a{int(i)}" for i in rng.integers(0, n_adapters, n_rows)]
+    xs = {d: rng.standard_normal((n_rows, d)).astype(np.float32) for d, _ in shapes.values()}
+    ys = {d: np.zeros((n_rows, d), np.float32) for _, d in shapes.values()}
+
+    def one_pass(hook):
+        for k in keys:
+            d_in, d_out = shapes[k]
+            apply_lora_rows(hook, k[0], k[1], xs[d_in], ys[d_out], d_in, d_out)
+
+    return adapters, names, one_pass
+
+
+def _bind_cost(rng, rounds):
+    """``bind`` + one pass over every projection, against a pass with a batch bound earlier."""
+    adapters, names, one_pass = bind_cost_setup(rng)
+    bound = adapters.bind(names)
+    one_pass(bound)
+    pc = time.perf_counter
+    warm, fresh, bind = [], [], []
+    for _ in range(rounds):
+        t0 = pc()
+        one_pass(bound)
+        warm.append(pc() - t0)
+        t0 = pc()
+        hook = adapters.bind(names)
+        t1 = pc()
+        one_pass(hook)
+        fresh.append(pc() - t0)
+        bind.append(t1 - t0)
+    return {"warm": float(np.median(warm)), "fresh": float(np.median(fresh)),
+            "bind": float(np.median(bind)), "projections": 186}
+
+
+def _generate_scenario(quick):
+    """:mod:`lorahook.bench_generate`, or why it was skipped."""
+    try:
+        from . import bench_generate
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return {"skip": f"needs torch, transformers and peft ({exc})"}
+    return bench_generate.run(rounds=3 if quick else 7)
 
 
 def _ms(t):
@@ -500,6 +563,24 @@ def format_report(res):
             line += f"; PEFT skipped ({mx['peft_skip']})"
         lines.append(line)
         targets.append(("mixed: lorahook / single adapter", mx["lorahook"] / mx["single"], 2.5))
+    bc = res.get("bind")
+    if bc is not None:
+        ratio = bc["fresh"] / bc["warm"]
+        lines.append("")
+        lines.append(f"bind 256 rows over 8 adapters, then one pass over every projection of "
+                     f"Qwen3.5-0.8B (r16): {_ms(bc['fresh'])} ms (bind alone {_ms(bc['bind'])} ms), "
+                     f"against {_ms(bc['warm'])} ms with a batch bound earlier: x{ratio:.3f}")
+        targets.append(("first pass after bind / pass bound earlier", ratio, 1.1))
+    gen = res.get("generate")
+    if gen is not None:
+        lines.append("")
+        if "skip" in gen:
+            lines.append(f"mixed-batch generate: skipped ({gen['skip']})")
+        else:
+            from .bench_generate import format_report as generate_report
+            lines.append(generate_report(gen))
+            targets.append(("generate: lorahook / base model", gen["lorahook/base"], 1.2))
+            targets.append(("generate: lorahook / PEFT adapter_names", gen["lorahook/peft"], 0.75))
     if res.get("thread_study"):
         lines.append("")
         lines.append("thread settings (server loop: 128 rows x 4 layers; callers: 128 rows 1024->3584, ms per call):")

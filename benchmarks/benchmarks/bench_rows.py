@@ -185,3 +185,28 @@ class MixedBatch:
 
     def time_mixed(self, adapters):
         apply_lora_rows(self.hook, 0, "up_proj", self.x, self.y, 1024, 3584)
+
+
+class BindPerStep:
+    """``bind`` of 256 rows over 8 adapters, then one pass over every Qwen3.5-0.8B projection.
+
+    ``bound_earlier`` times the pass alone with a batch bound in ``setup``;
+    ``bind_each_step`` binds first, as a server of packed, continuous batches
+    does once per step (plans are then built during the pass).
+    """
+    params = [["bound_earlier", "bind_each_step"]]
+    param_names = ["mode"]
+    timeout = 300
+
+    def setup(self, mode):
+        bench = __import__("lorahook.bench", fromlist=["bind_cost_setup"])
+        if not hasattr(bench, "bind_cost_setup"):
+            raise NotImplementedError
+        _configure()
+        self.adapters, self.names, self.one_pass = bench.bind_cost_setup(np.random.default_rng(0))
+        self.bound = self.adapters.bind(self.names)
+        self.one_pass(self.bound)
+
+    def time_pass(self, mode):
+        hook = self.adapters.bind(self.names) if mode == "bind_each_step" else self.bound
+        self.one_pass(hook)

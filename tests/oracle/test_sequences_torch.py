@@ -287,3 +287,16 @@ def test_minilm_padded_batch_with_per_sentence_adapters_equals_peft(tmp_path):
             got = base(**batch).last_hidden_state
     mask = batch["attention_mask"].bool()
     _close([got[mask]], [want[mask]])
+
+
+def test_the_multi_tenant_example_runs_and_agrees():
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples",
+                          "multi_tenant_generate.py")
+    if not os.path.exists(script):
+        pytest.skip("examples/ is not next to the tests (installed package only)")
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("same tokens") == 4
