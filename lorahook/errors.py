@@ -7,3 +7,7 @@ class LoraValidationError(ValueError):
 
 class LoraFormatError(ValueError):
     """A file that is not a valid, supported LoRA adapter."""
+
+
+class LoraCapacityError(MemoryError):
+    """Adapters that cannot be resident within an :class:`~lorahook.AdapterSet`'s capacity."""

@@ -33,7 +33,10 @@ immutable, so a bound batch can be applied from several threads at once.
 """
 import math
 import numbers
+import os
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -41,6 +44,7 @@ import numpy as np
 
 from . import _rows
 from .adapter import LoraAdapter
+from .errors import LoraCapacityError, LoraFormatError
 from .hook import LoraHook
 
 __all__ = ["AdapterSet", "BoundBatch", "BoundSequences"]
@@ -73,6 +77,45 @@ def _check_model(model):
     return model
 
 
+def _check_resolver(resolver):
+    if resolver is None or callable(resolver):
+        return resolver
+    if isinstance(resolver, (str, os.PathLike)):
+        path = os.fspath(resolver)
+        if isinstance(path, bytes) or not path:
+            raise TypeError(f"a resolver directory must be a non-empty str path, got {resolver!r}")
+        return path
+    raise TypeError(f"resolver must be None, a directory (str or os.PathLike) or a callable "
+                    f"name -> LoraAdapter | path | None, got {type(resolver).__name__}")
+
+
+def _safe_component(name):
+    """Whether ``name`` is one path component that stays inside its directory."""
+    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    return (bool(name) and name not in (".", "..") and "\0" not in name
+            and not any(sep in name for sep in seps) and not os.path.isabs(name)
+            and os.path.basename(name) == name)
+
+
+def _load_directory(name, path):
+    """A resolved name's PEFT directory, read with ``LoraAdapter.from_peft``."""
+    if not os.path.isdir(path):
+        raise LoraFormatError(f"adapter {name!r}: {os.fspath(path)} is not a PEFT adapter "
+                              f"directory (expected a directory with adapter_config.json)")
+    if not os.path.exists(os.path.join(path, "adapter_config.json")):
+        raise LoraFormatError(f"adapter {name!r}: {os.fspath(path)} is not a PEFT adapter "
+                              f"directory: it has no adapter_config.json")
+    return LoraAdapter.from_peft(path)
+
+
+def _nbytes(entries):
+    """Bytes of the installed entries' arrays, an array shared between adapters counted once."""
+    seen = {}
+    for entry in entries:
+        seen.update(entry.arrays)
+    return int(sum(seen.values()))
+
+
 def _finite(value, what):
     """``value`` as a finite float; ``TypeError`` / ``ValueError`` naming ``what``."""
     if type(value) is float and math.isfinite(value):
@@ -90,10 +133,13 @@ def _finite(value, what):
 class _Installed:
     """An installed adapter with what binding needs, computed once at install."""
 
-    __slots__ = ("adapter", "layer_scales")
+    __slots__ = ("adapter", "layer_scales", "arrays")
 
     def __init__(self, adapter):
         self.adapter = adapter
+        # id -> nbytes of every array the adapter keeps, for the set's byte count
+        self.arrays = {id(arr): arr.nbytes for layer in adapter.layers.values()
+                       for arr in layer._arrays()}
         # The distinct scales of the kernels that apply something (float32
         # values, as the core keys them): a batch's per-row scales are
         # multiplied by each of them once, at bind time.
@@ -101,31 +147,92 @@ class _Installed:
             {layer._kernel.scale for layer in adapter.layers.values() if layer.rank > 0}))
 
 
-class AdapterSet:
-    """A thread-safe set of named adapters over one base model.
+class _Load:
+    """One load of one name in progress: the loader sets the result, waiters wait."""
 
-    ``model`` (a :class:`~lorahook.Qwen35Config`, a :class:`~lorahook.BertConfig`
-    or ``None``): when given, every adapter is checked with
+    __slots__ = ("done", "adapter", "error")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.adapter = None
+        self.error = None
+
+
+class AdapterSet:
+    """A thread-safe set of named adapters over one base model, in bounded memory.
+
+    ``model`` (any :class:`~lorahook.ModelGeometry`, e.g. a
+    :class:`~lorahook.Qwen35Config` or a :class:`~lorahook.BertConfig`, or
+    ``None``): when given, every adapter is checked with
     ``adapter.validate_against(model)`` before it is installed, and a misfit
     raises :class:`~lorahook.LoraValidationError` with nothing changed.
 
+    ``capacity_bytes`` (an int ``>= 0`` or ``None``): the resident adapters'
+    :attr:`~lorahook.LoraAdapter.nbytes`, arrays shared between adapters
+    counted once, never exceed it.  Before an install that would, the least
+    recently used adapters that are not pinned are evicted (removed from the
+    set; batches already bound keep theirs).  An adapter that cannot fit
+    (larger than the capacity, or than what the pinned ones leave) raises
+    :class:`~lorahook.LoraCapacityError`, a ``MemoryError``, and evicts
+    nothing.
+
+    ``resolver`` loads adapters by name on first use (:meth:`bind`,
+    :meth:`bind_sequences`, :meth:`get`, :meth:`pin`): ``None`` (only what
+    was added), a directory (``str`` / ``os.PathLike``: name -> the PEFT
+    directory ``<dir>/<name>``; a name that is not one safe path component is
+    a ``KeyError`` before any file is touched, a missing ``<dir>/<name>`` a
+    ``KeyError``, one that is not a PEFT directory a
+    :class:`~lorahook.LoraFormatError`), or a callable ``name -> LoraAdapter |
+    path | None`` (``None``: unknown, ``KeyError``; anything else a
+    ``TypeError``).  A load that fails raises its error, changes nothing, and
+    reaches every thread waiting on it; the next use tries again.
+    Concurrent first uses of one name load it once, and no lock is held
+    while a file is read or an adapter validated: a slow load never blocks
+    binds that need only resident adapters.
+
     Names are non-empty ``str``; adapters are :class:`~lorahook.LoraAdapter`
-    instances (``TypeError`` otherwise).  :meth:`bind` makes the hook for one
-    batch.  All methods may be called from any thread at any time.
+    instances (``TypeError`` otherwise).  ``names()``, ``in`` and ``len``
+    speak of resident adapters.  All methods may be called from any thread
+    at any time.
     """
 
-    __slots__ = ("_model", "_lock", "_installed")
+    __slots__ = ("_model", "_lock", "_installed", "_capacity", "_resolver", "_lru",
+                 "_pinned", "_loading", "_stats")
 
-    def __init__(self, model=None):
+    def __init__(self, model=None, *, capacity_bytes=None, resolver=None):
         self._model = _check_model(model)
+        if capacity_bytes is not None:
+            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, numbers.Integral):
+                raise TypeError(f"capacity_bytes must be an int >= 0 or None, got "
+                                f"{type(capacity_bytes).__name__} ({capacity_bytes!r})")
+            if capacity_bytes < 0:
+                raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
+            capacity_bytes = int(capacity_bytes)
+        self._capacity = capacity_bytes
+        self._resolver = _check_resolver(resolver)
         self._lock = threading.Lock()
         # name -> _Installed; never mutated, only replaced as a whole.
         self._installed = _EMPTY
+        # resident names, least recently used first (values unused)
+        self._lru = OrderedDict()
+        self._pinned = set()
+        self._loading = {}  # name -> _Load in progress
+        self._stats = {"hits": 0, "loads": 0, "evictions": 0, "load_seconds": 0.0}
 
     @property
     def model(self):
         """The model adapters are validated against, or ``None``."""
         return self._model
+
+    @property
+    def capacity_bytes(self):
+        """The byte capacity, or ``None`` (unbounded)."""
+        return self._capacity
+
+    @property
+    def nbytes(self):
+        """Bytes of the resident adapters' arrays, each array counted once (an ``int``)."""
+        return _nbytes(self._installed.values())
 
     def _prepare(self, name, adapter):
         _check_name(name)
@@ -134,20 +241,138 @@ class AdapterSet:
             adapter.validate_against(self._model)
         return _Installed(adapter)
 
-    def _swap(self, name, entry):
-        # caller holds the lock; entry None removes
+    # --- the resident set (callers hold the lock) -----------------------------
+
+    def _commit(self, changes, protect=()):
+        """Install / remove ``changes`` (name -> _Installed or None), evicting to fit.
+
+        Checks the capacity first and changes nothing when it cannot be met;
+        ``protect`` names are never evicted (a bind's own adapters).
+        """
         new = dict(self._installed)
-        if entry is None:
-            del new[name]
-        else:
-            new[name] = entry
+        for name, entry in changes.items():
+            if entry is None:
+                new.pop(name, None)
+            else:
+                new[name] = entry
+        evicted = []
+        if self._capacity is not None:
+            keep = set(protect) | set(n for n, e in changes.items() if e is not None)
+            need = _nbytes(new[n] for n in keep if n in new)
+            pinned = _nbytes(new[n] for n in self._pinned if n in new and n not in keep)
+            if need + pinned > self._capacity:
+                raise LoraCapacityError(
+                    f"adapters {sorted(keep)} need {need} bytes; with {pinned} bytes pinned "
+                    f"({sorted(n for n in self._pinned if n in new and n not in keep)}) they "
+                    f"cannot fit in capacity_bytes={self._capacity}; nothing was evicted")
+            total = _nbytes(new.values())
+            for name in list(self._lru):
+                if total <= self._capacity:
+                    break
+                if name in keep or name in self._pinned or name not in new:
+                    continue
+                del new[name]
+                evicted.append(name)
+                total = _nbytes(new.values())
         self._installed = MappingProxyType(new)
+        for name in evicted:
+            self._lru.pop(name, None)
+        for name, entry in changes.items():
+            if entry is None:
+                self._lru.pop(name, None)
+                self._pinned.discard(name)
+            else:
+                self._lru[name] = None
+                self._lru.move_to_end(name)
+        self._stats["evictions"] += len(evicted)
 
-    def add(self, name, adapter):
-        """Install ``adapter`` under a new ``name``.
+    def _touch(self, names):
+        # caller holds the lock
+        for name in names:
+            if name in self._lru:
+                self._lru.move_to_end(name)
 
-        ``ValueError`` if ``name`` is already installed; the adapter is
-        validated against the model (if any) first.
+    # --- loading on first use -------------------------------------------------
+
+    def _resident(self, names, what="name"):
+        """A snapshot holding every name of ``names`` (loaded if needed), marked as used."""
+        snap = self._installed
+        missing = [n for n in names if n not in snap]
+        if not missing:
+            if names:
+                with self._lock:
+                    self._touch(names)
+                    self._stats["hits"] += len(names)
+            return snap
+        if self._resolver is None:
+            _refuse_unknown(what, set(missing), snap)
+        loaded = {name: self._load(name) for name in sorted(missing)}
+        with self._lock:
+            changes = {name: _Installed(adapter) for name, adapter in loaded.items()
+                       if name not in self._installed}
+            self._commit(changes, protect=names)
+            self._stats["loads"] += len(changes)
+            self._stats["hits"] += len(names) - len(changes)
+            self._touch(names)
+            return self._installed
+
+    def _load(self, name):
+        """Resolve and validate ``name`` once, however many threads ask at the same time."""
+        with self._lock:
+            job = self._loading.get(name)
+            mine = job is None
+            if mine:
+                job = self._loading[name] = _Load()
+        if not mine:
+            job.done.wait()
+        else:
+            start = time.perf_counter()
+            try:
+                adapter = self._resolve(name)
+                if self._model is not None:
+                    adapter.validate_against(self._model)
+                job.adapter = adapter
+            except BaseException as exc:
+                job.error = exc
+            finally:
+                with self._lock:
+                    del self._loading[name]
+                    self._stats["load_seconds"] += time.perf_counter() - start
+                job.done.set()
+        if job.error is not None:
+            raise job.error
+        return job.adapter
+
+    def _resolve(self, name):
+        resolver = self._resolver
+        if callable(resolver):
+            found = resolver(name)
+            if found is None:
+                raise KeyError(f"no adapter named {name!r}: the resolver does not know it")
+            if isinstance(found, LoraAdapter):
+                return found
+            if isinstance(found, (str, os.PathLike)):
+                return _load_directory(name, found)
+            raise TypeError(f"the resolver returned {type(found).__name__} for {name!r}; "
+                            f"expected a LoraAdapter, a path or None")
+        if not _safe_component(name):
+            raise KeyError(f"no adapter named {name!r}: a resolver directory takes names that "
+                           f"are one safe path component (no separators, not '.' or '..')")
+        path = os.path.join(resolver, name)
+        if not os.path.lexists(path):
+            raise KeyError(f"no adapter named {name!r}: {path} does not exist")
+        return _load_directory(name, path)
+
+    # --- changing the set ------------------------------------------------------
+
+    def add(self, name, adapter, pin=False):
+        """Install ``adapter`` under ``name``, which must not be resident.
+
+        ``ValueError`` if ``name`` is resident (a name the resolver knows but
+        that is not resident is installed as given).  The adapter is
+        validated against the model (if any) first; least recently used
+        adapters are evicted to fit the capacity (``LoraCapacityError`` if it
+        cannot fit, nothing changed).  ``pin=True`` pins it.
         """
         _check_name(name)
         if name in self._installed:
@@ -156,15 +381,22 @@ class AdapterSet:
         with self._lock:
             if name in self._installed:
                 raise ValueError(f"adapter {name!r} is already installed (use replace to swap it)")
-            self._swap(name, entry)
+            if pin:
+                self._pinned.add(name)
+            try:
+                self._commit({name: entry})
+            except BaseException:
+                self._pinned.discard(name)
+                raise
 
     def replace(self, name, adapter):
-        """Atomically swap the adapter installed under ``name`` for ``adapter``.
+        """Atomically swap the adapter resident under ``name`` for ``adapter``.
 
-        ``KeyError`` if ``name`` is not installed.  The new adapter is
-        validated first; when validation fails the old adapter stays
-        installed and the error propagates.  Batches bound before the swap
-        keep the old adapter; batches bound after it get the new one.
+        ``KeyError`` if ``name`` is not resident.  The new adapter is
+        validated first; when validation (or the capacity) fails the old
+        adapter stays installed and the error propagates.  Batches bound
+        before the swap keep the old adapter; batches bound after it get the
+        new one.  A pinned name stays pinned.
         """
         _check_name(name)
         if name not in self._installed:
@@ -173,29 +405,80 @@ class AdapterSet:
         with self._lock:
             if name not in self._installed:
                 raise KeyError(f"no adapter named {name!r} is installed (use add to install one)")
-            self._swap(name, entry)
+            self._commit({name: entry})
 
     def remove(self, name):
-        """Uninstall the adapter named ``name`` (``KeyError`` if there is none).
+        """Unload the adapter resident under ``name`` (``KeyError`` if there is none).
 
-        Batches already bound keep using it.
+        A name the resolver knows is loaded again on its next use.  Batches
+        already bound keep using the adapter.  Removing unpins.
         """
         _check_name(name)
         with self._lock:
             if name not in self._installed:
                 raise KeyError(f"no adapter named {name!r} is installed")
-            self._swap(name, None)
+            self._commit({name: None})
+
+    def pin(self, name):
+        """Keep ``name`` resident: never evicted until :meth:`unpin` or :meth:`remove`.
+
+        Loads it first when it is not resident and the resolver knows it.
+        """
+        _check_name(name)
+        while True:
+            self._resident((name,))
+            with self._lock:
+                if name not in self._installed:
+                    continue  # evicted between the load and the pin: load again
+                self._pinned.add(name)
+                if self._capacity is not None:
+                    pinned = _nbytes(self._installed[n] for n in self._pinned)
+                    if pinned > self._capacity:  # pragma: no cover - resident already fits
+                        self._pinned.discard(name)
+                        raise LoraCapacityError(f"pinning {name!r} would pin {pinned} bytes, "
+                                                f"more than capacity_bytes={self._capacity}")
+                return
+
+    def unpin(self, name):
+        """Let ``name`` be evicted again (``KeyError`` if it is not resident)."""
+        _check_name(name)
+        with self._lock:
+            if name not in self._installed:
+                raise KeyError(f"no adapter named {name!r} is installed")
+            self._pinned.discard(name)
+
+    # --- reading ------------------------------------------------------------
 
     def names(self):
-        """The installed names, sorted (a new list)."""
+        """The resident names, sorted (a new list)."""
         return sorted(self._installed)
 
+    def pinned(self):
+        """The pinned names, sorted (a new list)."""
+        with self._lock:
+            return sorted(self._pinned)
+
     def get(self, name):
-        """The adapter installed under ``name`` (``KeyError`` if there is none)."""
-        try:
-            return self._installed[name].adapter
-        except KeyError:
-            raise KeyError(f"no adapter named {name!r} is installed") from None
+        """The adapter under ``name``, loaded on first use (``KeyError`` if unknown)."""
+        _check_name(name)
+        return self._resident((name,))[name].adapter
+
+    def stats(self):
+        """Counters, as a new dict.
+
+        ``resident`` (a count), ``nbytes``, ``capacity_bytes``, ``pinned``,
+        ``hits`` (uses of a resident adapter), ``loads`` (adapters loaded and
+        installed; failed loads do not count), ``evictions``,
+        ``load_seconds`` (time spent resolving and validating), ``loading``
+        (loads in progress).
+        """
+        with self._lock:
+            installed = self._installed
+            out = dict(self._stats)
+            out.update(resident=len(installed), nbytes=_nbytes(installed.values()),
+                       capacity_bytes=self._capacity, pinned=len(self._pinned),
+                       loading=len(self._loading))
+        return out
 
     def __contains__(self, name):
         return name in self._installed
@@ -259,14 +542,12 @@ class AdapterSet:
         with a non-zero scale, ``(name, adapter, {kernel scale: (scale,
         unit indices or None, unit scales or None)})``.
         """
-        installed = self._installed  # one read: the snapshot
         if isinstance(unit_names, (str, bytes)) or not hasattr(unit_names, "__len__"):
             raise TypeError(
                 f"{what} must be a sequence of adapter names or None, "
                 f"got {type(unit_names).__name__}")
         names = tuple(unit_names)
         n = len(names)
-        unknown = set()
         for i, name in enumerate(names):
             if name is None:
                 continue
@@ -274,9 +555,8 @@ class AdapterSet:
                 raise TypeError(
                     f"{what}[{i}] must be an adapter name (str) or None, "
                     f"got {type(name).__name__} ({name!r})")
-            if name not in installed:
-                unknown.add(name)
-        _refuse_unknown(what, unknown, installed)
+        # one snapshot holding every name (loaded on first use when a resolver knows it)
+        installed = self._resident(tuple(dict.fromkeys(n for n in names if n is not None)), what)
         factors = _row_factors(scales, names, installed, what, unit)
 
         # Group the units by adapter, units with a zero factor left out.
