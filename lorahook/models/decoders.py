@@ -26,7 +26,9 @@ own family's ``transformers`` rule (transformers 5) and nothing from another fam
 * a field whose transformers default is the value of one checkpoint (Mistral's
   ``num_key_value_heads = 8``, Qwen2's and Qwen3's ``32``, Qwen3's ``head_dim = 128``,
   Gemma's ``head_dim = 256`` and ``num_key_value_heads``) is required when absent:
-  filling it in would validate adapters against some other model.
+  filling it in would validate adapters against some other model. The one exception is
+  the ``text_config`` of a multimodal Gemma 3 file, which transformers writes without the
+  fields equal to its defaults (see :class:`Gemma3TextConfig`).
 
 An explicit ``head_dim`` always wins over ``hidden_size // num_attention_heads`` (Gemma,
 Qwen3, Llama 3.2 and Mistral NeMo publish one that differs). The attention biases of
@@ -344,8 +346,14 @@ class Gemma2Config(_DecoderConfig):
 @dataclass(frozen=True)
 class Gemma3TextConfig(_DecoderConfig):
     """The Gemma 3 text decoder: flat (``gemma3_text``, e.g. Gemma 3 1B) or nested under
-    ``text_config`` of a multimodal ``gemma3`` file (4B and up). ``head_dim`` and
-    ``num_key_value_heads`` are required (transformers would fill in 256 and 4).
+    ``text_config`` of a multimodal ``gemma3`` file (4B and up).
+
+    In the flat form ``head_dim`` and ``num_key_value_heads`` are required (transformers would
+    fill in 256 and 4). The nested form is different: transformers (before version 5) wrote
+    ``text_config`` without the fields equal to ``Gemma3TextConfig``'s defaults and fills
+    them back in from those defaults when it reads the file -- the published Gemma 3 4B, 12B
+    and 27B files have no ``head_dim`` (4B not even its head counts). There, an absent
+    field takes that default (:attr:`NESTED_DEFAULTS`), exactly as transformers reads it.
 
     Paths: ``Gemma3ForCausalLM`` (layout ``gemma3``: ``model.layers``) and
     ``Gemma3ForConditionalGeneration`` (layout ``gemma3_multimodal``:
@@ -361,6 +369,11 @@ class Gemma3TextConfig(_DecoderConfig):
         read_roots=("language_model.model.layers",),
     )
     TRANSFORMERS_DEFAULTS: ClassVar[Dict[str, int]] = {"num_key_value_heads": 4, "head_dim": 256}
+    #: Gemma3TextConfig's defaults, which a nested ``text_config`` leaves out (only there).
+    NESTED_DEFAULTS: ClassVar[Dict[str, int]] = {
+        "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    }
 
     @classmethod
     def _text_fields(cls, config: Mapping, where: str) -> Tuple[Mapping, str]:
@@ -385,7 +398,9 @@ class Gemma3TextConfig(_DecoderConfig):
                 f"{where}: field 'text_config.model_type' must be 'gemma3_text', found "
                 f"{describe_value(text_type)}"
             )
-        return text, "text_config."
+        # transformers wrote text_config without the fields equal to Gemma3TextConfig's
+        # defaults and reads them back from those defaults; so does lorahook.
+        return {**cls.NESTED_DEFAULTS, **text}, "text_config."
 
 
 #: Every Llama-style config class, in the order messages list them.
