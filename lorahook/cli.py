@@ -207,7 +207,9 @@ def cmd_info(args, out):
     if paths:
         from .models import families_placing
         families = families_placing(paths)
-        w(f"families    {', '.join(families) + ' (by module paths)' if families else 'none: its module paths mix families'}\n")
+        text = (f"{', '.join(families)} (by module paths)" if families
+                else "none: its module paths mix families")
+        w(f"families    {text}\n")
     if by_module:
         w(f"  {'module':<18}{'layers':<16}{'rank':<8}{'scale':<14}{'d_in -> d_out':<16}bias\n")
     for module in sorted(by_module):
