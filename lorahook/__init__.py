@@ -2,7 +2,20 @@
 from ._rows import DEBUG_BUILD
 from .adapter import LoraAdapter, LoraLayer, blend
 from .errors import LoraFormatError, LoraValidationError
-from .geometry import BertConfig, Qwen35Config
+from .models import (
+    BertConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    ModelGeometry,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen35Config,
+    load_model_config,
+)
 from .hook import LoraHook, NoopLoraHook, apply_lora_rows
 from .serving import AdapterSet, BoundBatch, BoundSequences
 from . import threads
@@ -18,8 +31,18 @@ __all__ = [
     "blend",
     "LoraValidationError",
     "LoraFormatError",
+    "ModelGeometry",
+    "load_model_config",
     "Qwen35Config",
     "BertConfig",
+    "LlamaConfig",
+    "MistralConfig",
+    "Qwen2Config",
+    "Qwen3Config",
+    "GemmaConfig",
+    "Gemma2Config",
+    "Gemma3TextConfig",
+    "Phi3Config",
     "AdapterSet",
     "BoundBatch",
     "BoundSequences",

@@ -12,8 +12,10 @@ from types import MappingProxyType
 import numpy as np
 
 from . import _rows
-from .errors import LoraValidationError
+from .errors import LoraFormatError, LoraValidationError
+from .files import read_peft, read_safetensors_adapter, write_peft
 from .hook import LoraHook
+from .models import BertConfig, ModelGeometry
 
 __all__ = ["LoraLayer", "LoraAdapter", "blend"]
 
@@ -331,21 +333,22 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
     def validate_against(self, config):
         """Check every key against a model's projection table.
 
-        ``config`` is a :class:`~lorahook.Qwen35Config` or a
-        :class:`~lorahook.BertConfig`.  Keys are checked in sorted order and
-        the first misfit raises :class:`~lorahook.LoraValidationError` naming
-        the layer, the module, the adapter's ``(d_in, d_out)`` and the model's.
-        Ranks above ``min(d_in, d_out)`` are valid.
+        ``config`` is any :class:`~lorahook.ModelGeometry` (``Qwen35Config``,
+        ``BertConfig``, ``LlamaConfig``, ``Phi3Config``, ... or what
+        ``lorahook.torch.geometry_of`` returns).  Keys are checked in sorted
+        order and the first misfit raises :class:`~lorahook.LoraValidationError`
+        naming the layer, the module, the adapter's ``(d_in, d_out)`` and the
+        model's.  Ranks above ``min(d_in, d_out)`` are valid.
         """
-        projection_shape = getattr(config, "projection_shape", None)
-        if projection_shape is None:
+        if not isinstance(config, ModelGeometry):
             raise TypeError(
-                f"config must be a Qwen35Config or a BertConfig, got {type(config).__name__}")
+                f"config must be a lorahook.ModelGeometry (Qwen35Config, BertConfig, LlamaConfig, "
+                f"... or lorahook.load_model_config(path)), got {type(config).__name__}")
         for (layer_idx, module) in sorted(self._layers):
             layer = self._layers[(layer_idx, module)]
             ours = (layer.d_in, layer.d_out)
             try:
-                theirs = tuple(projection_shape(layer_idx, module))
+                theirs = tuple(config.projection_shape(layer_idx, module))
             except LoraValidationError as exc:
                 raise LoraValidationError(
                     f"adapter layer {layer_idx} module {module!r} with (d_in, d_out) = {ours} "
@@ -358,27 +361,43 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
 
     def validate_against_bert(self, num_hidden_layers, hidden_size, intermediate_size):
         """:meth:`validate_against` for a BERT encoder of these dimensions."""
-        from .geometry import BertConfig
         return self.validate_against(BertConfig(num_hidden_layers, hidden_size, intermediate_size))
 
     # --- files --------------------------------------------------------------
 
     @classmethod
+    def _from_data(cls, data):
+        """The adapter for what a file reader returned (``lorahook.files.AdapterData``)."""
+        layers = {}
+        for key, item in data.layers.items():
+            try:
+                layers[key] = LoraLayer(item.a, item.b, scale=item.scale, bias=item.bias)
+            except (ValueError, TypeError, OverflowError) as exc:
+                raise LoraFormatError(f"{data.source}: module {item.path!r}: {exc}") from None
+        return cls(layers, name=data.name, metadata=data.metadata, module_paths=data.module_paths)
+
+    @classmethod
     def from_peft(cls, path):
-        """Load a PEFT adapter directory (``adapter_config.json`` + safetensors)."""
-        from .peft import load_peft
-        return load_peft(path)
+        """Load a PEFT adapter directory (``adapter_config.json`` + safetensors).
+
+        Module paths of every family lorahook knows are placed (``lorahook.models``);
+        see :func:`lorahook.files.read_peft` for the rules and refusals.
+        """
+        return cls._from_data(read_peft(path))
 
     @classmethod
     def from_safetensors(cls, path, alpha=None):
         """Load a bare PEFT-layout safetensors file (``alpha``: argument, header, else rank)."""
-        from .peft import load_safetensors
-        return load_safetensors(path, alpha=alpha)
+        return cls._from_data(read_safetensors_adapter(path, alpha=alpha))
 
     def save_peft(self, path, architecture=None, metadata=None):
-        """Write a PEFT adapter directory that ``peft.PeftModel.from_pretrained`` loads."""
-        from .peft import save_peft
-        return save_peft(self, path, architecture=architecture, metadata=metadata)
+        """Write a PEFT adapter directory that ``peft.PeftModel.from_pretrained`` loads.
+
+        ``architecture`` names the base model's layout (``"llama"``, ``"phi3"``,
+        ``"qwen3_5"``, ``"bert"``, ... see :func:`lorahook.files.write_peft`); without it
+        the module paths the adapter was loaded with are written.
+        """
+        return write_peft(self, path, architecture=architecture, metadata=metadata)
 
     # --- merging --------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 Commands::
 
     lorahook info PATH                          what an adapter holds
-    lorahook validate PATH --model CONFIG_JSON  does it fit a Qwen3.5 / BERT model?
+    lorahook validate PATH --model CONFIG_JSON  does it fit the model (Llama, Mistral, Qwen2,
+                                                Qwen3, Gemma 1-3, Phi-3, Qwen3.5, BERT)?
     lorahook bench [...]                        side-by-side throughput comparison
     lorahook demo [--adapter DIR ... --model CONFIG_JSON]
                                                 the main job, checked and timed
@@ -91,8 +92,8 @@ def load_adapter(path):
 
 
 def load_model(path):
-    """A :class:`Qwen35Config` or :class:`BertConfig` chosen by the file's ``model_type``."""
-    from .geometry import load_model_config
+    """The :class:`~lorahook.ModelGeometry` chosen by the file's ``model_type``."""
+    from .models import load_model_config
     if not os.path.exists(path):
         raise CommandError(f"{path}: no such file or directory")
     return load_model_config(path)
@@ -142,23 +143,14 @@ def _size_text(n_bytes):
 
 
 def _describe_model(config):
-    from .geometry import BertConfig
-    if isinstance(config, BertConfig):
-        return (f"BERT, hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
-                f"{config.num_hidden_layers} layers")
-    kinds = {}
-    for t in config.layer_types:
-        kinds[t] = kinds.get(t, 0) + 1
-    mix = ", ".join(f"{k} x{v}" for k, v in kinds.items())
-    moe = f", {config.num_experts} experts" if config.is_moe else ""
-    return f"Qwen3.5, hidden {config.hidden_size}, {config.num_hidden_layers} layers ({mix}){moe}"
+    return config.describe()
 
 
 def _projections(config):
     """Every ``(layer_idx, module, d_in, d_out)`` of a model, in layer order."""
     out = []
-    for layer_idx in range(config.num_hidden_layers):
-        for module in config.modules_for_layer(layer_idx):
+    for layer_idx in range(config.num_layers):
+        for module in config.modules(layer_idx):
             d_in, d_out = config.projection_shape(layer_idx, module)
             out.append((layer_idx, module, d_in, d_out))
     return out
@@ -216,6 +208,13 @@ def cmd_info(args, out):
     w(f"on disk     {dtype_text} tensors, {_size_text(file_size)}\n")
     w(f"parameters  {adapter.num_parameters:,} ({_size_text(4 * adapter.num_parameters)} as float32)\n")
     w(f"covers      {len(keys)} projections on {len(layers)} layers ({_ranges(layers) or 'none'})\n")
+    paths = list(adapter.module_paths.values())
+    if paths:
+        from .models import families_placing
+        families = families_placing(paths)
+        text = (f"{', '.join(families)} (by module paths)" if families
+                else "none: its module paths mix families")
+        w(f"families    {text}\n")
     if by_module:
         w(f"  {'module':<18}{'layers':<16}{'rank':<8}{'scale':<14}{'d_in -> d_out':<16}bias\n")
     for module in sorted(by_module):
@@ -274,7 +273,7 @@ def _demo_adapters(config, rng):
     """Three adapters over the demo model, different ranks, scales and coverage."""
     import numpy as np
     from .adapter import LoraAdapter, LoraLayer
-    from .geometry import QWEN35_MLP_MODULES
+    from .models import QWEN35_MLP_MODULES
     specs = [
         # name, rank, lora_alpha, which modules
         ("support", 8, 16, lambda layer, module: True),
@@ -370,7 +369,7 @@ def cmd_demo(args, out):
     rng = np.random.default_rng(args.seed)
 
     if args.model is None:
-        from .geometry import Qwen35Config
+        from .models import Qwen35Config
         with _demo_config_path().open("r", encoding="utf-8") as f:
             config = Qwen35Config.from_dict(json.load(f))
         w(f"model     embedded {DEMO_CONFIG}: {_describe_model(config)}\n")
@@ -458,7 +457,7 @@ def cmd_demo(args, out):
         worst_delta = max(worst_delta, err_delta / scale_delta if scale_delta else err_delta * 10.0)
         if untouched and not np.array_equal(got[untouched], base[untouched]):
             bitwise_ok = False
-    w(f"run       {ran} projections over {config.num_hidden_layers} layers ({hooked} hooked by some "
+    w(f"run       {ran} projections over {config.num_layers} layers ({hooked} hooked by some "
       f"adapter), each one apply_lora_rows(AdapterSet.bind(rows, scales), ...) in place\n")
     limit = 1e-5
     passed = worst_out <= limit and worst_delta <= limit and bitwise_ok
@@ -510,7 +509,9 @@ def build_parser():
                                    "Exit 0 and 'fits' when it does, 1 when it does not.")
     p.add_argument("path", metavar="PATH", help="PEFT adapter directory or .safetensors file")
     p.add_argument("--model", required=True, metavar="CONFIG_JSON",
-                   help="a Qwen3.5 or BERT config.json (chosen by its model_type)")
+                   help="the model's config.json, chosen by its model_type: llama, mistral, qwen2, "
+                        "qwen3, gemma, gemma2, gemma3(_text), phi3, qwen3_5(_text), "
+                        "qwen3_5_moe(_text) or bert")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("bench", help="side-by-side throughput comparison",

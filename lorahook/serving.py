@@ -70,10 +70,11 @@ def _check_adapter(name, adapter):
 def _check_model(model):
     if model is None:
         return None
-    from .geometry import BertConfig, Qwen35Config
-    if not isinstance(model, (Qwen35Config, BertConfig)):
+    from .models import ModelGeometry
+    if not isinstance(model, ModelGeometry):
         raise TypeError(
-            f"model must be a Qwen35Config, a BertConfig or None, got {type(model).__name__}")
+            f"model must be a lorahook.ModelGeometry (Qwen35Config, BertConfig, LlamaConfig, ...) "
+            f"or None, got {type(model).__name__}")
     return model
 
 

@@ -12,12 +12,19 @@
 :func:`attach` registers a forward hook on every ``nn.Linear`` of the model
 whose path maps to a lorahook ``(layer_idx, module)`` key:
 
-* Qwen3.5: ``[...]layers.N.{self_attn,linear_attn,mlp}.X`` -> ``(N, "X")``
-  (``model.layers.N`` of ``Qwen3_5ForCausalLM`` and
-  ``model.language_model.layers.N`` of the multimodal model alike);
+* Qwen3.5: ``model[.language_model].layers.N.{self_attn,linear_attn,mlp}.X``
+  -> ``(N, "X")`` (``Qwen3_5ForCausalLM`` and the multimodal model alike);
+* Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3:
+  ``model.layers.N.{self_attn,mlp}.X`` (Gemma 3 multimodal:
+  ``model.language_model.layers.N...``);
+* Phi-3: ``model.layers.N.self_attn.{qkv_proj,o_proj}``,
+  ``model.layers.N.mlp.{gate_up_proj,down_proj}``;
 * BERT: ``[bert.]encoder.layer.N.attention.self.{query,key,value}``,
   ``attention.output.dense`` -> ``attn_output``, ``intermediate.dense`` ->
   ``ffn_intermediate``, ``output.dense`` -> ``ffn_output``.
+
+These are the same path rules ``LoraAdapter.from_peft`` reads (``lorahook.models``).
+:func:`geometry_of` measures a model's mapped linears as a ``ModelGeometry``.
 
 After the module computes ``y = W x + b``, the hook views the input and the
 output as numpy arrays (``Tensor.numpy()``: the same memory, no copy) and
@@ -78,36 +85,55 @@ Not supported (refused with a clear error rather than silently wrong):
   recorded for the output.
 """
 import contextvars
-import re
 import threading
 
 from .hook import LoraHook, apply_lora_rows
-from .peft import _BERT_SUFFIX
+from .models import MeasuredGeometry, place
 
-__all__ = ["attach", "default_mapping", "token_rows", "AttachedHooks", "Selection"]
+__all__ = ["attach", "default_mapping", "geometry_of", "token_rows", "AttachedHooks", "Selection"]
 
 # The selections in force in the current context: {attach key: bound hook},
 # replaced as a whole (never mutated) on every block entry and exit.
 _SELECTIONS = contextvars.ContextVar("lorahook_torch_selections", default=None)
 
-_QWEN35 = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj|"
-    r"gate_proj|up_proj|down_proj)$")
-_BERT = re.compile(
-    r"(?:^|\.)encoder\.layer\.(\d+)\.("
-    + "|".join(re.escape(suffix) for suffix in _BERT_SUFFIX) + r")$")
-
 
 def default_mapping(path):
-    """``(layer_idx, module)`` for a module path of a Qwen3.5 or BERT model, else ``None``."""
-    m = _QWEN35.search(path)
-    if m:
-        return int(m.group(1)), m.group(2)
-    m = _BERT.search(path)
-    if m:
-        return int(m.group(1)), _BERT_SUFFIX[m.group(2)]
-    return None
+    """``(layer_idx, module)`` for a module path of a model lorahook knows, else ``None``.
+
+    The same path rules as ``LoraAdapter.from_peft`` (``lorahook.models``): the Qwen3.5,
+    Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3 and BERT layouts, from the
+    model's root (attach to the transformers model itself, or pass ``mapping=``).
+    """
+    return place(path)
+
+
+def geometry_of(model, *, mapping=None):
+    """A :class:`lorahook.ModelGeometry` read from a torch model's mapped ``nn.Linear`` layers.
+
+    ``mapping`` is as in :func:`attach` (``None``: :func:`default_mapping`). Every mapped
+    ``nn.Linear`` (subclasses included) gives ``(layer_idx, module) -> (in_features,
+    out_features)``; for models lorahook has no config class for, pass a ``mapping``.
+    ``ValueError`` when two linears map to the same key; ``LoraValidationError`` when
+    nothing maps.
+    """
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    resolve = _resolve_mapping(mapping)
+    shapes, where = {}, {}
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        key = resolve(path)
+        if key is None:
+            continue
+        key = (int(key[0]), str(key[1]))
+        if key in shapes:
+            raise ValueError(f"lorahook.torch: {path} and {where[key]} both map to {key}")
+        shapes[key] = (int(mod.in_features), int(mod.out_features))
+        where[key] = path
+    return MeasuredGeometry(shapes, name=f"the nn.Linear layers of {type(model).__name__}")
 
 
 def token_rows(per_sequence, seq_len):

@@ -11,7 +11,7 @@ import pytest
 
 import lorahook
 from lorahook import BertConfig, LoraValidationError, Qwen35Config
-from lorahook.geometry import (
+from lorahook.models import (
     BERT_MODULES,
     QWEN35_FULL_ATTENTION_MODULES,
     QWEN35_LINEAR_ATTENTION_MODULES,
@@ -647,7 +647,9 @@ def test_load_model_config_dispatch():
     assert load_model_config(c) is c
     with pytest.raises(LoraValidationError, match="'model_type' is missing"):
         load_model_config({"hidden_size": 4})
-    with pytest.raises(LoraValidationError, match="unsupported model_type.*llama"):
+    with pytest.raises(LoraValidationError, match="unsupported model_type.*gpt2"):
+        load_model_config({"model_type": "gpt2"})
+    with pytest.raises(LoraValidationError, match="'hidden_size' is missing"):
         load_model_config({"model_type": "llama"})
     with pytest.raises(TypeError):
         load_model_config(42)

@@ -279,7 +279,7 @@ def test_set_type_checks():
         aset.add(3, ad)
     with pytest.raises(ValueError, match="non-empty"):
         aset.add("", ad)
-    with pytest.raises(TypeError, match="model must be a Qwen35Config, a BertConfig or None"):
+    with pytest.raises(TypeError, match="model must be a lorahook.ModelGeometry .* or None, got dict"):
         AdapterSet(model={"hidden_size": 8})
     assert aset.names() == []
 

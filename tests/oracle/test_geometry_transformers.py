@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import lorahook  # noqa: E402
-from lorahook.geometry import (  # noqa: E402
+from lorahook.models import (  # noqa: E402
     BERT_MODULES,
     QWEN35_FULL_ATTENTION_MODULES,
     QWEN35_LINEAR_ATTENTION_MODULES,

@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import lorahook  # noqa: E402
 from lorahook import LoraAdapter, LoraFormatError, LoraLayer  # noqa: E402
-from lorahook.peft import module_key, read_safetensors_header  # noqa: E402
+from lorahook.files import read_safetensors_header  # noqa: E402
+from lorahook.models import module_key  # noqa: E402
 
 QWEN_MODULES = [
     "q_proj", "k_proj", "v_proj", "o_proj",

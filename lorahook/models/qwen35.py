@@ -1,15 +1,11 @@
-"""Model geometry: the shapes of the linear projections an adapter may target.
+"""Qwen3.5: the hybrid decoder's geometry and module paths.
 
-Two model families are described:
-
-* :class:`Qwen35Config` -- the Qwen3.5 hybrid decoder (dense and mixture-of-experts),
-  read from a Hugging Face ``config.json`` in either the flat text form
-  (``model_type`` ``qwen3_5_text`` / ``qwen3_5_moe_text``) or the nested multimodal
-  form (``qwen3_5`` / ``qwen3_5_moe``, text fields under ``text_config``).
-* :class:`BertConfig` -- a BERT encoder, from a ``config.json`` or three numbers.
-
-Both expose ``projection_shape(layer_idx, module) -> (d_in, d_out)``, which is what
-``LoraAdapter.validate_against`` compares every adapter layer with.
+:class:`Qwen35Config` describes the Qwen3.5 hybrid decoder (dense and mixture-of-experts),
+read from a Hugging Face ``config.json`` in either the flat text form (``model_type``
+``qwen3_5_text`` / ``qwen3_5_moe_text``) or the nested multimodal form (``qwen3_5`` /
+``qwen3_5_moe``, text fields under ``text_config``). :data:`QWEN35_PATHS` places its
+projections: ``model.layers.N.{self_attn,linear_attn,mlp}.X`` (``Qwen3_5ForCausalLM``)
+and ``model.language_model.layers.N...`` (the multimodal model).
 
 Required fields and defaults
 ----------------------------
@@ -37,27 +33,36 @@ extra fields are ignored.
 
 from __future__ import annotations
 
-import json
-import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
-from .errors import LoraValidationError
+from ..errors import LoraValidationError
+from .base import (
+    ModelGeometry,
+    check_bool,
+    check_layer_index,
+    check_module_type,
+    describe_value,
+    positive_int,
+    read_json_config,
+    required_positive_int,
+)
+from .bert import BERT_MODULES
+from .paths import PathRules
 
 __all__ = [
     "Qwen35Config",
-    "BertConfig",
-    "load_model_config",
+    "QWEN35_PATHS",
     "QWEN35_FULL_ATTENTION_MODULES",
     "QWEN35_LINEAR_ATTENTION_MODULES",
     "QWEN35_MLP_MODULES",
     "QWEN35_MODULES",
-    "BERT_MODULES",
     "FULL_ATTENTION",
     "LINEAR_ATTENTION",
     "LEGACY_LAYER_TYPE_NAMES",
+    "QWEN35_MODEL_TYPES",
 ]
 
 #: Projections of a Qwen3.5 full (gated softmax) attention layer.
@@ -76,16 +81,6 @@ QWEN35_MLP_MODULES: Tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 QWEN35_MODULES: Tuple[str, ...] = (
     QWEN35_FULL_ATTENTION_MODULES + QWEN35_LINEAR_ATTENTION_MODULES + QWEN35_MLP_MODULES
 )
-#: Projections of a BERT encoder layer.
-BERT_MODULES: Tuple[str, ...] = (
-    "query",
-    "key",
-    "value",
-    "attn_output",
-    "ffn_intermediate",
-    "ffn_output",
-)
-
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 #: Older layer-type spellings and the names they mean.
@@ -95,7 +90,19 @@ _DENSE_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 _MOE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 _FLAT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 _NESTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
-_QWEN35_MODEL_TYPES = _FLAT_MODEL_TYPES + _NESTED_MODEL_TYPES
+QWEN35_MODEL_TYPES = _FLAT_MODEL_TYPES + _NESTED_MODEL_TYPES
+
+#: Where the projections live: ``Qwen3_5ForCausalLM`` (layout ``qwen3_5``) and the
+#: multimodal ``Qwen3_5ForConditionalGeneration`` (layout ``qwen3_5_multimodal``).
+QWEN35_PATHS = PathRules(
+    family="Qwen3.5",
+    layouts={"qwen3_5": "model.layers", "qwen3_5_multimodal": "model.language_model.layers"},
+    modules={
+        **{m: f"self_attn.{m}" for m in QWEN35_FULL_ATTENTION_MODULES},
+        **{m: f"linear_attn.{m}" for m in QWEN35_LINEAR_ATTENTION_MODULES},
+        **{m: f"mlp.{m}" for m in QWEN35_MLP_MODULES},
+    },
+)
 
 _ATTENTION_MODULES = {
     FULL_ATTENTION: QWEN35_FULL_ATTENTION_MODULES,
@@ -127,99 +134,6 @@ _QWEN35_MOE_FIELDS = (
 )
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def _describe(value: Any) -> str:
-    """A short description of a value for error messages: its type and repr."""
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{type(value).__name__} {text}"
-
-
-def _positive_int(value: Any, field: str, where: str) -> int:
-    """Return ``value`` as a plain ``int`` if it is an integer > 0, else raise.
-
-    ``bool`` is refused even though it is an ``int`` subclass, and so are floats with
-    integral values (``1024.0``): a size written as anything but an integer is a sign
-    of a damaged or hand-edited file.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise LoraValidationError(
-            f"{where}: field '{field}' must be a positive integer, found {_describe(value)}"
-        )
-    value = int(value)
-    if value <= 0:
-        raise LoraValidationError(
-            f"{where}: field '{field}' must be a positive integer, found {value}"
-        )
-    return value
-
-
-def _required_positive_int(values: Mapping, name: str, prefix: str, where: str) -> int:
-    """``values[name]`` as a positive ``int``; a missing or ``None`` entry is an error."""
-    value = values.get(name)
-    if value is None:
-        raise LoraValidationError(
-            f"{where}: required field '{prefix}{name}' is missing; lorahook does not guess "
-            f"model sizes"
-        )
-    return _positive_int(value, prefix + name, where)
-
-
-def _bool(value: Any, field: str, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise LoraValidationError(
-            f"{where}: field '{field}' must be true or false, found {_describe(value)}"
-        )
-    return value
-
-
-def _check_layer_index(layer_idx: Any, num_hidden_layers: int, module: Any, where: str) -> int:
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
-        raise TypeError(
-            f"{where}: layer index must be an int, found {_describe(layer_idx)}"
-            + ("" if module is None else f" (module {module!r})")
-        )
-    layer_idx = int(layer_idx)
-    if not 0 <= layer_idx < num_hidden_layers:
-        subject = f"layer {layer_idx}" if module is None else f"layer {layer_idx}, module {module!r}"
-        raise LoraValidationError(
-            f"{where}: {subject}: layer index out of range; "
-            f"the model has {num_hidden_layers} layers (0..{num_hidden_layers - 1})"
-        )
-    return layer_idx
-
-
-def _check_module_type(module: Any, layer_idx: Any, where: str) -> str:
-    if not isinstance(module, str):
-        raise TypeError(
-            f"{where}: module name must be a str, found {_describe(module)} (layer {layer_idx})"
-        )
-    return module
-
-
-def _read_json_config(path: Any) -> dict:
-    """Read a ``config.json`` (or the ``config.json`` inside a model directory)."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"config path must be a str or os.PathLike, found {_describe(path)}")
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path, "r", encoding="utf-8") as handle:
-        try:
-            data = json.load(handle)
-        except json.JSONDecodeError as exc:
-            raise LoraValidationError(f"model config {path!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise LoraValidationError(
-            f"model config {path!r}: expected a JSON object at the top level, "
-            f"found {type(data).__name__}"
-        )
-    return data
-
-
 def _normalize_layer_types(
     layer_types: Any, num_hidden_layers: int, field: str, where: str
 ) -> Tuple[str, ...]:
@@ -227,7 +141,7 @@ def _normalize_layer_types(
     if isinstance(layer_types, (str, bytes)) or not isinstance(layer_types, (list, tuple)):
         raise LoraValidationError(
             f"{where}: field '{field}' must be a list of layer type names, "
-            f"found {_describe(layer_types)}"
+            f"found {describe_value(layer_types)}"
         )
     if len(layer_types) != num_hidden_layers:
         raise LoraValidationError(
@@ -242,7 +156,7 @@ def _normalize_layer_types(
             raise LoraValidationError(
                 f"{where}: field '{field}[{i}]' must be one of 'full_attention', "
                 f"'linear_attention' (or the legacy 'attention', 'mamba'), "
-                f"found {_describe(layer_types[i])}"
+                f"found {describe_value(layer_types[i])}"
             )
         normalized.append(name)
     return tuple(normalized)
@@ -269,7 +183,7 @@ def _validated_qwen35_fields(
     out: dict = {}
 
     def required(name: str) -> int:
-        return _required_positive_int(values, name, prefix, where)
+        return required_positive_int(values, name, prefix, where)
 
     for name in _QWEN35_CORE_FIELDS:
         out[name] = required(name)
@@ -301,7 +215,7 @@ def _validated_qwen35_fields(
             raise LoraValidationError(
                 f"{where}: field '{prefix}intermediate_size' must be None for a "
                 f"mixture-of-experts model (it has no dense MLP), found "
-                f"{_describe(values['intermediate_size'])}"
+                f"{describe_value(values['intermediate_size'])}"
             )
         out["intermediate_size"] = None
     else:
@@ -316,7 +230,7 @@ def _validated_qwen35_fields(
 
     interval = values.get("full_attention_interval")
     out["full_attention_interval"] = (
-        4 if interval is None else _positive_int(interval, prefix + "full_attention_interval", where)
+        4 if interval is None else positive_int(interval, prefix + "full_attention_interval", where)
     )
     layer_types = values.get("layer_types")
     if layer_types is None:
@@ -329,7 +243,7 @@ def _validated_qwen35_fields(
         )
 
     tie = values.get("tie_word_embeddings")
-    out["tie_word_embeddings"] = False if tie is None else _bool(tie, "tie_word_embeddings", where)
+    out["tie_word_embeddings"] = False if tie is None else check_bool(tie, "tie_word_embeddings", where)
     return out
 
 
@@ -337,7 +251,7 @@ def _validated_qwen35_fields(
 
 
 @dataclass(frozen=True, repr=False)
-class Qwen35Config:
+class Qwen35Config(ModelGeometry):
     """Geometry of a Qwen3.5 text decoder (dense or mixture-of-experts).
 
     Build one with :meth:`from_dict` / :meth:`from_json` from a Hugging Face
@@ -396,13 +310,13 @@ class Qwen35Config:
         mixture-of-experts when ``num_experts`` is present. Unknown fields are ignored.
         """
         if not isinstance(config, Mapping):
-            raise TypeError(f"Qwen35Config.from_dict: expected a mapping, found {_describe(config)}")
+            raise TypeError(f"Qwen35Config.from_dict: expected a mapping, found {describe_value(config)}")
         where = "Qwen3.5 config"
         model_type = config.get("model_type")
-        if model_type is not None and model_type not in _QWEN35_MODEL_TYPES:
+        if model_type is not None and model_type not in QWEN35_MODEL_TYPES:
             raise LoraValidationError(
-                f"{where}: field 'model_type' must be one of {', '.join(_QWEN35_MODEL_TYPES)}, "
-                f"found {_describe(model_type)}"
+                f"{where}: field 'model_type' must be one of {', '.join(QWEN35_MODEL_TYPES)}, "
+                f"found {describe_value(model_type)}"
             )
 
         nested = model_type in _NESTED_MODEL_TYPES or (
@@ -417,14 +331,14 @@ class Qwen35Config:
                 )
             if not isinstance(text, Mapping):
                 raise LoraValidationError(
-                    f"{where}: field 'text_config' must be an object, found {_describe(text)}"
+                    f"{where}: field 'text_config' must be an object, found {describe_value(text)}"
                 )
             prefix = "text_config."
             text_model_type = text.get("model_type")
             if text_model_type is not None and text_model_type not in _FLAT_MODEL_TYPES:
                 raise LoraValidationError(
                     f"{where}: field 'text_config.model_type' must be one of "
-                    f"{', '.join(_FLAT_MODEL_TYPES)}, found {_describe(text_model_type)}"
+                    f"{', '.join(_FLAT_MODEL_TYPES)}, found {describe_value(text_model_type)}"
                 )
             if model_type is not None and text_model_type is not None:
                 if text_model_type != model_type + "_text":
@@ -466,7 +380,7 @@ class Qwen35Config:
     @classmethod
     def from_json(cls, path: "str | os.PathLike") -> "Qwen35Config":
         """Read a ``config.json`` file (or the ``config.json`` in a model directory)."""
-        return cls.from_dict(_read_json_config(path))
+        return cls.from_dict(read_json_config(path))
 
     def to_dict(self) -> dict:
         """The flat text-model ``config.json`` fields (``qwen3_5_text`` or
@@ -516,17 +430,32 @@ class Qwen35Config:
 
         Raises :class:`~lorahook.LoraValidationError` for an index out of range.
         """
-        i = _check_layer_index(layer_idx, self.num_hidden_layers, None, "Qwen35Config")
+        i = check_layer_index(layer_idx, self.num_hidden_layers, None, "Qwen35Config")
         return self.layer_types[i]
 
     def is_full_attention(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` is a full-attention layer (else linear attention)."""
         return self.layer_type(layer_idx) == FULL_ATTENTION
 
-    def modules_for_layer(self, layer_idx: int) -> Tuple[str, ...]:
+    @property
+    def num_layers(self) -> int:
+        """``num_hidden_layers``."""
+        return self.num_hidden_layers
+
+    def modules(self, layer_idx: int) -> Tuple[str, ...]:
         """The module names addressable on layer ``layer_idx``."""
         attention = _ATTENTION_MODULES[self.layer_type(layer_idx)]
         return attention if self.is_moe else attention + QWEN35_MLP_MODULES
+
+    modules_for_layer = modules
+
+    def describe(self) -> str:
+        kinds: dict = {}
+        for t in self.layer_types:
+            kinds[t] = kinds.get(t, 0) + 1
+        mix = ", ".join(f"{k} x{v}" for k, v in kinds.items())
+        moe = f", {self.num_experts} experts" if self.is_moe else ""
+        return f"Qwen3.5, hidden {self.hidden_size}, {self.num_hidden_layers} layers ({mix}){moe}"
 
     def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
         """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx``.
@@ -537,8 +466,8 @@ class Qwen35Config:
         ``TypeError`` for an index that is not an int or a module that is not a str.
         """
         where = "Qwen35Config"
-        module = _check_module_type(module, layer_idx, where)
-        layer_idx = _check_layer_index(layer_idx, self.num_hidden_layers, module, where)
+        module = check_module_type(module, layer_idx, where)
+        layer_idx = check_layer_index(layer_idx, self.num_hidden_layers, module, where)
         head = f"{where}: layer {layer_idx}, module {module!r}"
 
         if module not in QWEN35_MODULES:
@@ -600,127 +529,3 @@ class Qwen35Config:
         parts.append(f"tie_word_embeddings={self.tie_word_embeddings}")
         return f"Qwen35Config({', '.join(parts)})"
 
-
-# --------------------------------------------------------------------------- BERT
-
-
-@dataclass(frozen=True)
-class BertConfig:
-    """Geometry of a BERT encoder.
-
-    Projections (``H`` = ``hidden_size``, ``I`` = ``intermediate_size``): ``query``,
-    ``key``, ``value``, ``attn_output`` are H→H, ``ffn_intermediate`` H→I, ``ffn_output``
-    I→H, on every layer. Immutable, hashable, picklable, compared by value.
-    """
-
-    num_hidden_layers: int
-    hidden_size: int
-    intermediate_size: int
-
-    def __post_init__(self) -> None:
-        for name in ("num_hidden_layers", "hidden_size", "intermediate_size"):
-            object.__setattr__(self, name, _positive_int(getattr(self, name), name, "BertConfig"))
-
-    @classmethod
-    def from_dict(cls, config: Mapping) -> "BertConfig":
-        """Build from a parsed BERT ``config.json`` (``model_type`` ``bert`` or absent).
-
-        ``num_hidden_layers``, ``hidden_size`` and ``intermediate_size`` are required;
-        other fields are ignored.
-        """
-        if not isinstance(config, Mapping):
-            raise TypeError(f"BertConfig.from_dict: expected a mapping, found {_describe(config)}")
-        where = "BERT config"
-        model_type = config.get("model_type")
-        if model_type is not None and model_type != "bert":
-            raise LoraValidationError(
-                f"{where}: field 'model_type' must be 'bert', found {_describe(model_type)}"
-            )
-        return cls(
-            **{
-                name: _required_positive_int(config, name, "", where)
-                for name in ("num_hidden_layers", "hidden_size", "intermediate_size")
-            }
-        )
-
-    @classmethod
-    def from_json(cls, path: "str | os.PathLike") -> "BertConfig":
-        """Read a BERT ``config.json`` file (or the one in a model directory)."""
-        return cls.from_dict(_read_json_config(path))
-
-    def to_dict(self) -> dict:
-        """The ``config.json`` fields that :meth:`from_dict` reads back."""
-        return {
-            "model_type": "bert",
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-        }
-
-    @property
-    def known_modules(self) -> Tuple[str, ...]:
-        """Every module name an adapter may target on a BERT encoder."""
-        return BERT_MODULES
-
-    def modules_for_layer(self, layer_idx: int) -> Tuple[str, ...]:
-        """The module names addressable on layer ``layer_idx`` (the same on every layer)."""
-        _check_layer_index(layer_idx, self.num_hidden_layers, None, "BertConfig")
-        return BERT_MODULES
-
-    def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
-        """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx``.
-
-        Raises :class:`~lorahook.LoraValidationError` for a layer index out of range or
-        an unknown module; ``TypeError`` for arguments of the wrong type.
-        """
-        where = "BertConfig"
-        module = _check_module_type(module, layer_idx, where)
-        layer_idx = _check_layer_index(layer_idx, self.num_hidden_layers, module, where)
-        H, I = self.hidden_size, self.intermediate_size
-        if module in ("query", "key", "value", "attn_output"):
-            return (H, H)
-        if module == "ffn_intermediate":
-            return (H, I)
-        if module == "ffn_output":
-            return (I, H)
-        hint = " (that is a Qwen3.5 module name)" if module in QWEN35_MODULES else ""
-        raise LoraValidationError(
-            f"{where}: layer {layer_idx}, module {module!r}: unknown module for BERT{hint}; "
-            f"known modules are {', '.join(BERT_MODULES)}"
-        )
-
-
-# --------------------------------------------------------------------------- dispatch
-
-
-def load_model_config(path_or_dict: Any) -> "Qwen35Config | BertConfig":
-    """Build the right geometry for a model ``config.json``.
-
-    ``path_or_dict`` is a parsed config (a mapping), a path to a ``config.json``, or a
-    model directory containing one. ``model_type`` chooses: ``qwen3_5``,
-    ``qwen3_5_text``, ``qwen3_5_moe``, ``qwen3_5_moe_text`` give a
-    :class:`Qwen35Config`, ``bert`` a :class:`BertConfig`. An existing
-    :class:`Qwen35Config` or :class:`BertConfig` is returned unchanged.
-    """
-    if isinstance(path_or_dict, (Qwen35Config, BertConfig)):
-        return path_or_dict
-    if isinstance(path_or_dict, Mapping):
-        config = path_or_dict
-        source = "model config"
-    else:
-        config = _read_json_config(path_or_dict)
-        source = f"model config {os.fspath(path_or_dict)!r}"
-    model_type = config.get("model_type")
-    if model_type is None:
-        raise LoraValidationError(
-            f"{source}: required field 'model_type' is missing; expected one of "
-            f"{', '.join(_QWEN35_MODEL_TYPES)}, bert"
-        )
-    if model_type in _QWEN35_MODEL_TYPES:
-        return Qwen35Config.from_dict(config)
-    if model_type == "bert":
-        return BertConfig.from_dict(config)
-    raise LoraValidationError(
-        f"{source}: unsupported model_type {_describe(model_type)}; expected one of "
-        f"{', '.join(_QWEN35_MODEL_TYPES)}, bert"
-    )

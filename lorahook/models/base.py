@@ -1,0 +1,158 @@
+"""What every model geometry offers, and the checks the config classes share.
+
+:class:`ModelGeometry` is the one type the rest of lorahook asks for when it needs a
+model's shapes: ``LoraAdapter.validate_against``, ``AdapterSet(model=...)``,
+``lorahook validate --model`` and ``lorahook.torch.geometry_of``. A geometry knows how
+many layers the model has, which projections each layer has, and the ``(d_in, d_out)``
+of each. The helpers below turn the values of a ``config.json`` into checked sizes, with
+messages that name the field, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import numbers
+import os
+from collections.abc import Mapping
+from typing import Any, Tuple
+
+from ..errors import LoraValidationError
+
+__all__ = ["ModelGeometry", "read_json_config"]
+
+
+class ModelGeometry(abc.ABC):
+    """The shapes of the linear projections an adapter may target on one model.
+
+    Subclasses define :attr:`num_layers`, :meth:`modules` and :meth:`projection_shape`.
+    ``projection_shape`` raises :class:`~lorahook.LoraValidationError` naming the layer and
+    the module for a layer out of range or a module the layer does not have, and
+    ``TypeError`` for an index that is not an int or a module name that is not a str.
+    """
+
+    @property
+    @abc.abstractmethod
+    def num_layers(self) -> int:
+        """The number of layers (decoder or encoder blocks)."""
+
+    @abc.abstractmethod
+    def modules(self, layer_idx: int) -> Tuple[str, ...]:
+        """The projection names addressable on layer ``layer_idx``."""
+
+    @abc.abstractmethod
+    def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
+        """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx``."""
+
+    @property
+    def known_modules(self) -> Tuple[str, ...]:
+        """Every module name addressable on some layer, in first-seen order."""
+        seen: dict = {}
+        for i in range(self.num_layers):
+            for module in self.modules(i):
+                seen.setdefault(module, None)
+        return tuple(seen)
+
+    def describe(self) -> str:
+        """A one-line human summary (used by ``lorahook validate``)."""
+        return f"{type(self).__name__}, {self.num_layers} layers"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def describe_value(value: Any) -> str:
+    """A short description of a value for error messages: its type and repr."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def positive_int(value: Any, field: str, where: str) -> int:
+    """``value`` as a plain ``int`` if it is an integer > 0, else raise.
+
+    ``bool`` is refused even though it is an ``int`` subclass, and so are floats with
+    integral values (``1024.0``): a size written as anything but an integer is a sign
+    of a damaged or hand-edited file.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise LoraValidationError(
+            f"{where}: field '{field}' must be a positive integer, found {describe_value(value)}"
+        )
+    value = int(value)
+    if value <= 0:
+        raise LoraValidationError(
+            f"{where}: field '{field}' must be a positive integer, found {value}"
+        )
+    return value
+
+
+def required_positive_int(values: Mapping, name: str, prefix: str, where: str) -> int:
+    """``values[name]`` as a positive ``int``; a missing or ``None`` entry is an error."""
+    value = values.get(name)
+    if value is None:
+        raise LoraValidationError(
+            f"{where}: required field '{prefix}{name}' is missing; lorahook does not guess "
+            f"model sizes"
+        )
+    return positive_int(value, prefix + name, where)
+
+
+def check_bool(value: Any, field: str, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise LoraValidationError(
+            f"{where}: field '{field}' must be true or false, found {describe_value(value)}"
+        )
+    return value
+
+
+def check_layer_index(layer_idx: Any, num_layers: int, module: Any, where: str) -> int:
+    """``layer_idx`` as an int in ``range(num_layers)``; ``TypeError`` / ``LoraValidationError``."""
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+        raise TypeError(
+            f"{where}: layer index must be an int, found {describe_value(layer_idx)}"
+            + ("" if module is None else f" (module {module!r})")
+        )
+    layer_idx = int(layer_idx)
+    if not 0 <= layer_idx < num_layers:
+        subject = f"layer {layer_idx}" if module is None else f"layer {layer_idx}, module {module!r}"
+        raise LoraValidationError(
+            f"{where}: {subject}: layer index out of range; "
+            f"the model has {num_layers} layers (0..{num_layers - 1})"
+        )
+    return layer_idx
+
+
+def check_module_type(module: Any, layer_idx: Any, where: str) -> str:
+    if not isinstance(module, str):
+        raise TypeError(
+            f"{where}: module name must be a str, found {describe_value(module)} (layer {layer_idx})"
+        )
+    return module
+
+
+def check_mapping(config: Any, where: str) -> Mapping:
+    if not isinstance(config, Mapping):
+        raise TypeError(f"{where}: expected a mapping (a parsed config.json), found {describe_value(config)}")
+    return config
+
+
+def read_json_config(path: Any) -> dict:
+    """Read a ``config.json`` (or the ``config.json`` inside a model directory)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"config path must be a str or os.PathLike, found {describe_value(path)}")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path, "r", encoding="utf-8") as handle:
+        try:
+            data = json.load(handle)
+        except json.JSONDecodeError as exc:
+            raise LoraValidationError(f"model config {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise LoraValidationError(
+            f"model config {path!r}: expected a JSON object at the top level, "
+            f"found {type(data).__name__}"
+        )
+    return data
