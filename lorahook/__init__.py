@@ -1,7 +1,7 @@
 """lorahook: LoRA adapters applied inside CPU inference, row by row, in place."""
 from ._rows import DEBUG_BUILD
 from .adapter import LoraAdapter, LoraLayer, blend
-from .errors import LoraFormatError, LoraValidationError
+from .errors import LoraCapacityError, LoraFormatError, LoraValidationError
 from .models import (
     BertConfig,
     Gemma2Config,
@@ -31,6 +31,7 @@ __all__ = [
     "blend",
     "LoraValidationError",
     "LoraFormatError",
+    "LoraCapacityError",
     "ModelGeometry",
     "load_model_config",
     "Qwen35Config",

@@ -309,11 +309,18 @@ class AdapterSet:
             _refuse_unknown(what, set(missing), snap)
         loaded = {name: self._load(name) for name in sorted(missing)}
         with self._lock:
-            changes = {name: _Installed(adapter) for name, adapter in loaded.items()
-                       if name not in self._installed}
+            changes, fresh = {}, 0
+            for name in names:
+                if name in self._installed:
+                    continue
+                if name in loaded:
+                    changes[name] = _Installed(loaded[name])
+                    fresh += 1
+                else:  # resident a moment ago, evicted by another thread since: back it goes
+                    changes[name] = snap[name]
             self._commit(changes, protect=names)
-            self._stats["loads"] += len(changes)
-            self._stats["hits"] += len(names) - len(changes)
+            self._stats["loads"] += fresh
+            self._stats["hits"] += len(names) - fresh
             self._touch(names)
             return self._installed
 
