@@ -6,6 +6,10 @@
  *
  *   void lorahook_half_widen(const uint16_t *src, float *dst, size_t n, int kind);
  *   void lorahook_half_narrow(const float *src, uint16_t *dst, size_t n, int kind);
+ *   int  lorahook_half_path(void);          the active path (chosen on first use)
+ *   int  lorahook_half_set_path(int path);  force a path; the old one, or -1
+ *   int  lorahook_half_supported(void);     bit p set: path p runs on this CPU
+ *   int  lorahook_half_best_path(void);     the fastest supported path
  *
  * kind is LORAHOOK_HALF_F16 or LORAHOOK_HALF_BF16.  src and dst must not
  * overlap.  A typical use widens input and output rows into float32 scratch,
@@ -20,8 +24,9 @@
  *                    signalling NaN stays signalling: bfloat16 is the top
  *                    half of a float32).
  *   narrow float16   round to nearest, ties to even, with float16 subnormals;
- *                    anything from 65520 up (after rounding) is +-inf; +-0
- *                    and the sign of results that round to zero are kept.
+ *                    magnitudes of 65520 and more (the tie above 65504
+ *                    goes to the even neighbour, inf) become +-inf; results
+ *                    that round to zero keep their sign.
  *                    A NaN keeps its sign and the top 10 mantissa bits and
  *                    is made quiet: sign | 0x7E00 | ((bits >> 13) & 0x3FF).
  *   narrow bfloat16  round to nearest, ties to even, float32 subnormals
@@ -35,7 +40,11 @@
  * integer-only, so the floating-point environment (rounding mode,
  * flush-to-zero, denormals-are-zero) cannot change its results; the fast paths
  * use explicit round-to-nearest-even, and VCVTNEPS2BF16's flushing of float32
- * subnormal inputs is corrected lane by lane.
+ * subnormal inputs is corrected lane by lane.  Like any float32 arithmetic,
+ * the F16C / AVX-512F float16 instructions may set the floating-point status
+ * flags (inexact, overflow, underflow, invalid for signalling NaNs); they would
+ * trap only in a host that unmasked floating-point exceptions.  The portable
+ * path and the bfloat16 instructions set no flags.
  *
  * Paths, chosen once at first use from what the CPU (and OS) support:
  *   LORAHOOK_HALF_AVX512    AVX-512F/VL + AVX512_BF16 (16 values a step)

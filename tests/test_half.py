@@ -38,7 +38,7 @@ def path(request):
     name = request.param
     if name not in SUPPORTED:
         need = _rows._half_paths()["needs"][name]
-        pytest.skip(f"this CPU cannot run the {name} path (it needs {need})")
+        pytest.skip(f"the {name} path is not available (it needs x86-64 and {need})")
     old = _rows._half_set_path(name)
     yield name
     _rows._half_set_path(old)
@@ -354,7 +354,7 @@ def test_narrow_bfloat16_edges(path, u, h, what):
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_path_gives_the_same_bits(kind):
     if len(SUPPORTED) < 2:
-        pytest.skip("this CPU runs the portable path only")
+        pytest.skip("only the portable path is available here")
     rng = np.random.default_rng(1605)
     u = np.concatenate([random_bits(rng, 1 << 18), bf16_ties(), f16_ties()])
     h = rng.integers(0, 1 << 16, size=1 << 18, dtype=np.uint32).astype(np.uint16)
@@ -493,6 +493,28 @@ def test_bad_arguments():
         _rows._half_set_path("sse")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_repeat_loop_converts_like_the_array_functions(path, kind):
+    rng = np.random.default_rng(1609)
+    f = floats(random_bits(rng, 1000))
+    h = np.empty(1000, dtype=np.uint16)
+    w = np.empty(1000, dtype=np.float32)
+    _rows._half_repeat(f, h, kind, 3)
+    assert np.array_equal(h, _rows._half_narrow(f, kind))
+    _rows._half_repeat(h, w, kind, 2)
+    assert np.array_equal(w.view(np.uint32), _rows._half_widen(h, kind).view(np.uint32))
+    _rows._half_repeat(f[:0], h[:0], kind, 5)
+    with pytest.raises(ValueError, match="overlap"):
+        _rows._half_repeat(f, f.view(np.uint16)[:1000], kind, 1)
+    with pytest.raises(ValueError, match="1000 values"):
+        _rows._half_repeat(f, h[:10], kind, 1)
+    with pytest.raises(TypeError, match="out must have dtype uint16"):
+        _rows._half_repeat(f, w, kind, 1)
+    h.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        _rows._half_repeat(f, h, kind, 1)
+
+
 def test_paths_report():
     info = _rows._half_paths()
     assert info["supported"][0] == "portable"
@@ -505,9 +527,9 @@ def test_paths_report():
 def test_unsupported_path_is_refused_and_changes_nothing():
     missing = [p for p in PATHS if p not in SUPPORTED]
     if not missing:
-        pytest.skip("this CPU runs every path")
+        pytest.skip("every path is available here")
     before = _rows._half_paths()["active"]
-    with pytest.raises(ValueError, match="cannot run"):
+    with pytest.raises(ValueError, match="not available"):
         _rows._half_set_path(missing[0])
     assert _rows._half_paths()["active"] == before
 
