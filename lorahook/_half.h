@@ -152,11 +152,12 @@ static inline uint16_t lorahook_f32_bits_to_f16(uint32_t x) {
 }
 
 static inline uint16_t lorahook_f32_bits_to_bf16(uint32_t x) {
-    if ((x & 0x7FFFFFFFu) > 0x7F800000u)  /* NaN: quiet, top payload bits */
-        return (uint16_t)((x >> 16) | 0x0040u);
     /* ties to even on the raw bits; a carry moves into the exponent, and the
-       largest finite values carry into inf (no wrap: x <= 0xFF800000 here) */
-    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+       largest finite values carry into inf (no wrap unless x is a NaN) */
+    uint32_t rounded = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+    uint32_t quiet = (x >> 16) | 0x0040u;  /* NaN: quiet, top payload bits */
+    /* a select rather than a branch, so that compilers vectorise the loop */
+    return (uint16_t)((x & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
 }
 
 LORAHOOK_HALF_FN void lorahook_half_widen_portable(const uint16_t *src, float *dst, size_t n, int kind) {
@@ -185,6 +186,11 @@ LORAHOOK_HALF_FN void lorahook_half_narrow_portable(const float *src, uint16_t *
 /* x86-64 fast paths.  Full vectors only; the tail (fewer values than  */
 /* one vector) goes through the portable code, which gives the same    */
 /* bits.  Unaligned loads and stores throughout.                      */
+/*                                                                    */
+/* Each ends with an explicit VZEROUPPER: GCC does not always insert  */
+/* one in target("avx...") functions of a non-AVX build, and a thread */
+/* left with dirty upper register halves runs all later SSE code      */
+/* (ours, numpy's, the interpreter's) several times slower.           */
 
 #if LORAHOOK_HALF_X86
 
@@ -200,6 +206,7 @@ LORAHOOK_HALF_FN void lorahook_half_widen_avx2(const uint16_t *src, float *dst, 
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
     }
+    _mm256_zeroupper();
     lorahook_half_widen_portable(src + i, dst + i, n - i, kind);
 }
 
@@ -231,6 +238,7 @@ LORAHOOK_HALF_FN void lorahook_half_narrow_avx2(const float *src, uint16_t *dst,
             _mm_storeu_si128((__m128i *)(dst + i),
                              _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
     }
+    _mm256_zeroupper();
     lorahook_half_narrow_portable(src + i, dst + i, n - i, kind);
 }
 
@@ -246,6 +254,7 @@ LORAHOOK_HALF_FN void lorahook_half_widen_avx512(const uint16_t *src, float *dst
         for (; i + 16 <= n; i += 16)
             _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
     }
+    _mm256_zeroupper();
     lorahook_half_widen_portable(src + i, dst + i, n - i, kind);
 }
 
@@ -279,6 +288,7 @@ LORAHOOK_HALF_FN void lorahook_half_narrow_avx512(const float *src, uint16_t *ds
             _mm256_storeu_si256((__m256i *)(dst + i),
                                 _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
     }
+    _mm256_zeroupper();
     lorahook_half_narrow_portable(src + i, dst + i, n - i, kind);
 }
 

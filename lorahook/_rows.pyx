@@ -954,6 +954,47 @@ cdef extern from "_half.h" nogil:
     void lorahook_half_widen(const uint16_t *src, float *dst, size_t n, int kind) noexcept
     void lorahook_half_narrow(const float *src, uint16_t *dst, size_t n, int kind) noexcept
 
+cdef extern from *:
+    """
+    /* For a test: whether the fast paths leave the upper halves of the vector
+       registers in use (XINUSE bits 2 and 6, read with XGETBV ECX=1), which
+       would slow every later SSE instruction of the thread. */
+    #if LORAHOOK_HALF_X86
+    #include <cpuid.h>
+    static int lorahook_half_xinuse_upper(void) {
+        unsigned int a, b, c, d, lo, hi;
+        if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27)))  /* OSXSAVE */
+            return -1;
+        if (!__get_cpuid_count(0xD, 1, &a, &b, &c, &d) || !(a & 4u))  /* XGETBV ECX=1 */
+            return -1;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(1));
+        (void)hi;
+        return (lo & 0x44u) != 0;
+    }
+    __attribute__((target("avx"))) static void lorahook_half_clear_upper(void) {
+        _mm256_zeroupper();
+    }
+    /* -1: cannot tell; else whether the upper halves are in use after a widen
+       and a narrow of n values on the active path (clean before). */
+    static int lorahook_half_upper_after(const float *f, uint16_t *h, float *w, size_t n, int kind) {
+        if (lorahook_half_supported() == (1 << LORAHOOK_HALF_PORTABLE))
+            return -1;
+        lorahook_half_clear_upper();
+        if (lorahook_half_xinuse_upper() != 0)
+            return -1;
+        lorahook_half_narrow(f, h, n, kind);
+        lorahook_half_widen(h, w, n, kind);
+        return lorahook_half_xinuse_upper();
+    }
+    #else
+    static int lorahook_half_upper_after(const float *f, uint16_t *h, float *w, size_t n, int kind) {
+        (void)f; (void)h; (void)w; (void)n; (void)kind;
+        return -1;
+    }
+    #endif
+    """
+    int lorahook_half_upper_after(const float *f, uint16_t *h, float *w, size_t n, int kind) noexcept nogil
+
 import os as _half_os
 import warnings as _half_warnings
 
@@ -1069,6 +1110,22 @@ def _half_repeat(src, out, kind, Py_ssize_t loops):
                 lorahook_half_narrow(<const float *>s, <uint16_t *>d, n, k)
             else:
                 lorahook_half_widen(<const uint16_t *>s, <float *>d, n, k)
+
+
+def _half_upper_state_after(kind):
+    """Whether a widen and a narrow on the active path leave the vector registers' upper halves in use.
+
+    ``None`` when this CPU cannot tell (or has no vector path).  ``True`` is a
+    performance bug: every later SSE instruction of the thread pays for it.
+    """
+    cdef int k = _half_kind(kind)
+    cdef cnp.ndarray f = np.linspace(-3, 3, 100, dtype=np.float32)
+    cdef cnp.ndarray h = np.empty(100, dtype=np.uint16)
+    cdef cnp.ndarray w = np.empty(100, dtype=np.float32)
+    cdef int r = lorahook_half_upper_after(<const float *>cnp.PyArray_DATA(f),
+                                           <uint16_t *>cnp.PyArray_DATA(h),
+                                           <float *>cnp.PyArray_DATA(w), 100, k)
+    return None if r < 0 else bool(r)
 
 
 def _half_set_path(name):

@@ -432,6 +432,16 @@ def test_flush_to_zero_and_denormals_are_zero_change_nothing(path):
     assert (expect_w[1:] != 0).all()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_vector_registers_are_left_clean(path, kind):
+    # AVX code must end with VZEROUPPER, or every later SSE instruction of the
+    # thread (numpy's, the interpreter's) runs several times slower
+    dirty = _rows._half_upper_state_after(kind)
+    if dirty is None:
+        pytest.skip("this CPU cannot report whether the upper register halves are in use")
+    assert dirty is False
+
+
 def test_threads_converting_while_the_path_changes():
     # the path is chosen per call; switching it while other threads convert is
     # harmless because every path gives the same bits
