@@ -933,3 +933,284 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
     """
     y = _checked_output(input, output, n_rows, d_in, d_out)
     (<GroupPlan>GroupPlan(groups, n_rows, d_in, d_out))._run(<cnp.ndarray>input, y)
+
+
+# ============================================================================
+# Half-precision row conversions (lorahook/_half.h)
+#
+# float16 and bfloat16 rows are 16-bit patterns (uint16); the C functions widen
+# them to float32 and narrow float32 back with round-to-nearest-even, on the
+# fastest path this CPU supports (AVX-512 BF16, AVX2 + F16C) or on a portable
+# path that gives the same bits.  The functions below are private: they expose
+# the conversions to the tests and benchmarks; the kernels call the C functions
+# directly.  The bit-level rules are documented in _half.h and in
+# _half_widen / _half_narrow.
+#
+# LORAHOOK_HALF_PORTABLE=1 in the environment forces the portable path; it is
+# read once, when this module is imported, and changes nothing but the choice
+# of conversion path inside lorahook.
+# ============================================================================
+
+from libc.stdint cimport uint16_t
+
+cdef extern from "_half.h" nogil:
+    int LORAHOOK_HALF_F16
+    int LORAHOOK_HALF_BF16
+    int LORAHOOK_HALF_PORTABLE
+    int LORAHOOK_HALF_AVX2
+    int LORAHOOK_HALF_AVX512
+    int lorahook_half_supported() noexcept
+    int lorahook_half_best_path() noexcept
+    int lorahook_half_path() noexcept
+    int lorahook_half_set_path(int path) noexcept
+    void lorahook_half_widen(const uint16_t *src, float *dst, size_t n, int kind) noexcept
+    void lorahook_half_narrow(const float *src, uint16_t *dst, size_t n, int kind) noexcept
+
+cdef extern from *:
+    """
+    /* For a test: whether the fast paths leave the upper halves of the vector
+       registers in use (XINUSE bits 2 and 6, read with XGETBV ECX=1), which
+       would slow every later SSE instruction of the thread. */
+    #if LORAHOOK_HALF_X86
+    #include <cpuid.h>
+    static int lorahook_half_xinuse_upper(void) {
+        unsigned int a, b, c, d, lo, hi;
+        if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27)))  /* OSXSAVE */
+            return -1;
+        if (!__get_cpuid_count(0xD, 1, &a, &b, &c, &d) || !(a & 4u))  /* XGETBV ECX=1 */
+            return -1;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(1));
+        (void)hi;
+        return (lo & 0x44u) != 0;
+    }
+    __attribute__((target("avx"))) static void lorahook_half_clear_upper(void) {
+        _mm256_zeroupper();
+    }
+    /* -1: cannot tell; else whether the upper halves are in use after a widen
+       and a narrow of n values on the active path (clean before). */
+    static int lorahook_half_upper_after(const float *f, uint16_t *h, float *w, size_t n, int kind) {
+        if (lorahook_half_supported() == (1 << LORAHOOK_HALF_PORTABLE))
+            return -1;
+        lorahook_half_clear_upper();
+        if (lorahook_half_xinuse_upper() != 0)
+            return -1;
+        lorahook_half_narrow(f, h, n, kind);
+        lorahook_half_widen(h, w, n, kind);
+        return lorahook_half_xinuse_upper();
+    }
+    #else
+    static int lorahook_half_upper_after(const float *f, uint16_t *h, float *w, size_t n, int kind) {
+        (void)f; (void)h; (void)w; (void)n; (void)kind;
+        return -1;
+    }
+    #endif
+    """
+    int lorahook_half_upper_after(const float *f, uint16_t *h, float *w, size_t n, int kind) noexcept nogil
+
+import os as _half_os
+import warnings as _half_warnings
+
+_HALF_KINDS = {"float16": LORAHOOK_HALF_F16, "bfloat16": LORAHOOK_HALF_BF16}
+_HALF_PATHS = {"portable": LORAHOOK_HALF_PORTABLE, "avx2": LORAHOOK_HALF_AVX2,
+               "avx512": LORAHOOK_HALF_AVX512}
+_HALF_PATH_NAMES = {v: k for k, v in _HALF_PATHS.items()}
+_HALF_PATH_NEEDS = {"portable": "nothing", "avx2": "avx2, f16c",
+                    "avx512": "avx512f, avx512vl, avx512bf16"}
+_HALF_ENV = "LORAHOOK_HALF_PORTABLE"
+
+
+cdef int _half_kind(object kind) except -1:
+    if not isinstance(kind, str):
+        raise TypeError(f"kind must be 'float16' or 'bfloat16', got {type(kind).__name__}")
+    if kind not in _HALF_KINDS:
+        raise ValueError(f"kind must be 'float16' or 'bfloat16', got {kind!r}")
+    return _HALF_KINDS[kind]
+
+
+cdef cnp.ndarray _half_array(object arr, object dtype, str name):
+    # C-contiguous array of exactly `dtype` (native byte order); read-only is fine
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray of {np.dtype(dtype)}, "
+                        f"got {type(arr).__name__}")
+    if arr.dtype != np.dtype(dtype) or not arr.dtype.isnative:
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype)} (native byte order), "
+                        f"got {arr.dtype.str}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous, got a strided array "
+                         f"of shape {arr.shape}")
+    return arr
+
+
+def _half_widen(src, kind):
+    """Widen 16-bit patterns to float32: a new array of ``src``'s shape.
+
+    ``src`` is a C-contiguous ``uint16`` array holding ``float16`` or
+    ``bfloat16`` bit patterns, ``kind`` is ``'float16'`` or ``'bfloat16'``.
+    Exact for every value.  bfloat16: the float32 bits are ``h << 16``, NaNs
+    included.  float16: a NaN keeps its sign and payload (shifted left by 13)
+    and becomes quiet (bit 22 set).  The GIL is released during the conversion.
+    """
+    cdef int k = _half_kind(kind)
+    cdef cnp.ndarray a = _half_array(src, np.uint16, "src")
+    cdef cnp.ndarray out = np.empty((<object>a).shape, dtype=np.float32)
+    cdef size_t n = <size_t>a.size
+    cdef const uint16_t *s
+    cdef float *d
+    if n:
+        s = <const uint16_t *>cnp.PyArray_DATA(a)
+        d = <float *>cnp.PyArray_DATA(out)
+        with nogil:
+            lorahook_half_widen(s, d, n, k)
+    return out
+
+
+def _half_narrow(src, kind):
+    """Narrow float32 to 16-bit patterns: a new ``uint16`` array of ``src``'s shape.
+
+    ``src`` is a C-contiguous ``float32`` array, ``kind`` is ``'float16'`` or
+    ``'bfloat16'``.  Rounding is to nearest, ties to even, whatever the
+    floating-point environment; subnormal results are kept (never flushed);
+    values that round past the largest finite value become infinities of their
+    sign.  NaNs stay NaN, keep their sign and their top payload bits and become
+    quiet: float16 ``sign | 0x7E00 | ((bits >> 13) & 0x3FF)``, bfloat16
+    ``(bits >> 16) | 0x0040``.  Every path gives the same bits.  The GIL is
+    released during the conversion.
+    """
+    cdef int k = _half_kind(kind)
+    cdef cnp.ndarray a = _half_array(src, np.float32, "src")
+    cdef cnp.ndarray out = np.empty((<object>a).shape, dtype=np.uint16)
+    cdef size_t n = <size_t>a.size
+    cdef const float *s
+    cdef uint16_t *d
+    if n:
+        s = <const float *>cnp.PyArray_DATA(a)
+        d = <uint16_t *>cnp.PyArray_DATA(out)
+        with nogil:
+            lorahook_half_narrow(s, d, n, k)
+    return out
+
+
+def _half_repeat(src, out, kind, Py_ssize_t loops):
+    """Convert ``src`` into ``out`` ``loops`` times without the GIL (for the benchmark).
+
+    A ``float32`` ``src`` is narrowed into a ``uint16`` ``out``; a ``uint16``
+    ``src`` is widened into a ``float32`` ``out``.  Both C-contiguous, of one
+    size, not overlapping; ``out`` writable.  Timing this call measures the
+    conversion as the kernels see it, without a Python call per row.
+    """
+    cdef int k = _half_kind(kind)
+    cdef bint narrow = isinstance(src, np.ndarray) and src.dtype == np.float32
+    cdef cnp.ndarray a = _half_array(src, np.float32 if narrow else np.uint16, "src")
+    cdef cnp.ndarray b = _half_array(out, np.uint16 if narrow else np.float32, "out")
+    if not b.flags.writeable:
+        raise ValueError("out must be writable, got a read-only array")
+    if a.size != b.size:
+        raise ValueError(f"out must have {a.size} values like src, got {b.size}")
+    if np.may_share_memory(a, b):
+        raise ValueError("src and out must not overlap")
+    if loops < 0:
+        raise ValueError(f"loops must be >= 0, got {loops}")
+    cdef size_t n = <size_t>a.size
+    cdef Py_ssize_t i
+    cdef void *s = cnp.PyArray_DATA(a)
+    cdef void *d = cnp.PyArray_DATA(b)
+    if n == 0:
+        return
+    with nogil:
+        for i in range(loops):
+            if narrow:
+                lorahook_half_narrow(<const float *>s, <uint16_t *>d, n, k)
+            else:
+                lorahook_half_widen(<const uint16_t *>s, <float *>d, n, k)
+
+
+def _half_upper_state_after(kind):
+    """Whether a widen and a narrow on the active path leave the vector registers' upper halves in use.
+
+    ``None`` when this CPU cannot tell (or has no vector path).  ``True`` is a
+    performance bug: every later SSE instruction of the thread pays for it.
+    """
+    cdef int k = _half_kind(kind)
+    cdef cnp.ndarray f = np.linspace(-3, 3, 100, dtype=np.float32)
+    cdef cnp.ndarray h = np.empty(100, dtype=np.uint16)
+    cdef cnp.ndarray w = np.empty(100, dtype=np.float32)
+    cdef int r = lorahook_half_upper_after(<const float *>cnp.PyArray_DATA(f),
+                                           <uint16_t *>cnp.PyArray_DATA(h),
+                                           <float *>cnp.PyArray_DATA(w), 100, k)
+    return None if r < 0 else bool(r)
+
+
+def _half_set_path(name):
+    """Make the named conversion path active; return the name of the previous one.
+
+    ``name`` is ``'portable'``, ``'avx2'`` or ``'avx512'``; a path this build
+    or CPU cannot run is a ``ValueError`` and changes nothing.  For tests and
+    benchmarks: every path gives the same bits, only the speed differs.
+    """
+    if name not in _HALF_PATHS:
+        raise ValueError(f"path must be one of {sorted(_HALF_PATHS)}, got {name!r}")
+    old = lorahook_half_set_path(_HALF_PATHS[name])
+    if old < 0:
+        raise ValueError(f"the {name!r} conversion path is not available here "
+                         f"(it needs an x86-64 build and a CPU with {_HALF_PATH_NEEDS[name]})")
+    return _HALF_PATH_NAMES[old]
+
+
+def _half_set_portable(flag):
+    """Force the portable path (``True``) or go back to the fastest one (``False``).
+
+    Returns whether the portable path was active before.
+    """
+    cdef int old = lorahook_half_path()
+    if flag:
+        lorahook_half_set_path(LORAHOOK_HALF_PORTABLE)
+    else:
+        lorahook_half_set_path(lorahook_half_best_path())
+    return old == LORAHOOK_HALF_PORTABLE
+
+
+def _half_paths():
+    """Which conversion path is active and which ones this build and CPU can run.
+
+    A dict: ``active`` and ``best`` (path names), ``supported`` (a tuple of
+    names, slowest first), ``needs`` (the CPU features each path requires) and
+    ``env_portable`` (whether ``LORAHOOK_HALF_PORTABLE=1`` was set at import).
+    """
+    cdef int mask = lorahook_half_supported()
+    return {
+        "active": _HALF_PATH_NAMES[lorahook_half_path()],
+        "best": _HALF_PATH_NAMES[lorahook_half_best_path()],
+        "supported": tuple(_HALF_PATH_NAMES[p] for p in sorted(_HALF_PATH_NAMES)
+                           if mask & (1 << p)),
+        "needs": dict(_HALF_PATH_NEEDS),
+        "env_portable": _half_env_portable,
+    }
+
+
+def _half_portable_from_env(value):
+    """Read a value of ``LORAHOOK_HALF_PORTABLE``: whether it forces the portable path.
+
+    Unset, empty or ``'0'``: no (the default); ``'1'``: yes.  Anything else is
+    a ``RuntimeWarning`` naming the variable and the default, which then applies.
+    """
+    if value is None:
+        return False
+    v = value.strip()
+    if v in ("", "0"):
+        return False
+    if v == "1":
+        return True
+    _half_warnings.warn(
+        f"{_HALF_ENV}={value!r} is not '0' or '1'; using the default "
+        f"({_HALF_ENV}=0: the fastest conversion path this CPU supports)",
+        RuntimeWarning, stacklevel=2)
+    return False
+
+
+_half_env_portable = _half_portable_from_env(_half_os.environ.get(_HALF_ENV))
+if _half_env_portable:
+    lorahook_half_set_path(LORAHOOK_HALF_PORTABLE)
+
+# ============================================================================
+# End of half-precision row conversions
+# ============================================================================

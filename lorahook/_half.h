@@ -1,0 +1,384 @@
+/* Half-precision rows: float16 and bfloat16 to float32 and back.
+ *
+ * Half rows are handled as 16-bit patterns (uint16_t); nothing here needs a
+ * compiler half type.  Every function is static, allocates nothing, takes no
+ * lock and touches no Python object, so it may be called without the GIL.
+ *
+ *   void lorahook_half_widen(const uint16_t *src, float *dst, size_t n, int kind);
+ *   void lorahook_half_narrow(const float *src, uint16_t *dst, size_t n, int kind);
+ *   int  lorahook_half_path(void);          the active path (chosen on first use)
+ *   int  lorahook_half_set_path(int path);  force a path; the old one, or -1
+ *   int  lorahook_half_supported(void);     bit p set: path p runs on this CPU
+ *   int  lorahook_half_best_path(void);     the fastest supported path
+ *
+ * kind is LORAHOOK_HALF_F16 or LORAHOOK_HALF_BF16.  src and dst must not
+ * overlap.  A typical use widens input and output rows into float32 scratch,
+ * lets BLAS add the delta to the widened output, and narrows it back once.
+ *
+ * The bit-level rules (the same bits on every path, for every input):
+ *
+ *   widen float16    exact.  Subnormals become normal float32 values.  A NaN
+ *                    keeps its sign and payload (shifted left by 13) and is
+ *                    made quiet: bits = sign | 0x7FC00000 | (mantissa << 13).
+ *   widen bfloat16   exact, bits = (uint32_t)h << 16, NaNs included (a
+ *                    signalling NaN stays signalling: bfloat16 is the top
+ *                    half of a float32).
+ *   narrow float16   round to nearest, ties to even, with float16 subnormals;
+ *                    magnitudes of 65520 and more (the tie above 65504
+ *                    goes to the even neighbour, inf) become +-inf; results
+ *                    that round to zero keep their sign.
+ *                    A NaN keeps its sign and the top 10 mantissa bits and
+ *                    is made quiet: sign | 0x7E00 | ((bits >> 13) & 0x3FF).
+ *   narrow bfloat16  round to nearest, ties to even, float32 subnormals
+ *                    rounded like any other value (never flushed to zero);
+ *                    values that round past the largest finite bfloat16
+ *                    become +-inf.  A NaN keeps its sign and the top 7
+ *                    mantissa bits and is made quiet: (bits >> 16) | 0x0040.
+ *
+ * These NaN rules are what the x86 instructions do (VCVTPH2PS, VCVTPS2PH,
+ * VCVTNEPS2BF16); the portable path produces them too.  The portable path is
+ * integer-only, so the floating-point environment (rounding mode,
+ * flush-to-zero, denormals-are-zero) cannot change its results; the fast paths
+ * use explicit round-to-nearest-even, and VCVTNEPS2BF16's flushing of float32
+ * subnormal inputs is corrected lane by lane.  Like any float32 arithmetic,
+ * the F16C / AVX-512F float16 instructions may set the floating-point status
+ * flags (inexact, overflow, underflow, invalid for signalling NaNs); they would
+ * trap only in a host that unmasked floating-point exceptions.  The portable
+ * path and the bfloat16 instructions set no flags.
+ *
+ * Paths, chosen once at first use from what the CPU (and OS) support:
+ *   LORAHOOK_HALF_AVX512    AVX-512F/VL + AVX512_BF16 (16 values a step)
+ *   LORAHOOK_HALF_AVX2      AVX2 + F16C (8 values a step)
+ *   LORAHOOK_HALF_PORTABLE  plain C, one value at a time
+ * Only x86-64 builds contain the fast paths, each compiled for its own target
+ * with __attribute__((target)); nothing outside them uses instructions beyond
+ * the build's baseline, so no path can fault on a CPU that lacks a feature.
+ * Defining LORAHOOK_HALF_NO_SIMD builds the portable path alone, as on other
+ * architectures.
+ * lorahook_half_set_path forces a path (tests, benchmarks, the
+ * LORAHOOK_HALF_PORTABLE environment variable read by lorahook._rows).
+ *
+ * The state (which path is active) is per translation unit: include this
+ * header in one C file only.
+ */
+#ifndef LORAHOOK_HALF_H
+#define LORAHOOK_HALF_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(LORAHOOK_HALF_NO_SIMD)
+#define LORAHOOK_HALF_X86 1
+#include <immintrin.h>
+#else
+#define LORAHOOK_HALF_X86 0
+#endif
+
+/* static functions a user of this header may leave unused without a warning */
+#if defined(__GNUC__) || defined(__clang__)
+#define LORAHOOK_HALF_FN static __attribute__((unused))
+#else
+#define LORAHOOK_HALF_FN static
+#endif
+
+#define LORAHOOK_HALF_F16 0
+#define LORAHOOK_HALF_BF16 1
+
+#define LORAHOOK_HALF_PORTABLE 0
+#define LORAHOOK_HALF_AVX2 1
+#define LORAHOOK_HALF_AVX512 2
+#define LORAHOOK_HALF_NPATHS 3
+
+/* ------------------------------------------------------------------ */
+/* Portable path: one value at a time, integer operations only.       */
+
+static inline uint32_t lorahook_f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float lorahook_f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t lorahook_f16_to_f32_bits(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu;
+    uint32_t man = h & 0x3FFu;
+    if (exp == 0x1Fu)  /* inf, or NaN made quiet */
+        return sign | 0x7F800000u | (man << 13) | (man ? 0x00400000u : 0u);
+    if (exp != 0)      /* normal: rebias 15 -> 127 */
+        return sign | ((exp + 112u) << 23) | (man << 13);
+    if (man == 0)
+        return sign;
+    /* subnormal man * 2^-24: shift the leading one up to bit 10 */
+    exp = 113u;
+    do {
+        man <<= 1;
+        exp--;
+    } while (!(man & 0x400u));
+    return sign | (exp << 23) | ((man & 0x3FFu) << 13);
+}
+
+static inline uint16_t lorahook_f32_bits_to_f16(uint32_t x) {
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u)             /* NaN: quiet, top payload bits */
+        return (uint16_t)(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+    if (ax >= 0x477FF000u)            /* >= 65520 (halfway past 65504), inf */
+        return (uint16_t)(sign | 0x7C00u);
+    if (ax >= 0x38800000u) {          /* >= 2^-14: a normal float16 */
+        uint32_t r = ax - 0x38000000u;  /* rebias 127 -> 15 */
+        r += 0x0FFFu + ((r >> 13) & 1u);  /* ties to even; a carry bumps the exponent */
+        return (uint16_t)(sign | (r >> 13));
+    }
+    if (ax <= 0x33000000u)            /* <= 2^-25, half the smallest subnormal */
+        return (uint16_t)sign;
+    {
+        /* subnormal result: round (1.m * 2^(e-127)) / 2^-24 */
+        uint32_t man = (ax & 0x7FFFFFu) | 0x800000u;
+        uint32_t shift = 126u - (ax >> 23);   /* 14 .. 24 */
+        uint32_t q = man >> shift;
+        uint32_t rem = man & ((1u << shift) - 1u);
+        uint32_t half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (q & 1u)))
+            q++;                      /* may become 0x400, the smallest normal */
+        return (uint16_t)(sign | q);
+    }
+}
+
+static inline uint16_t lorahook_f32_bits_to_bf16(uint32_t x) {
+    /* ties to even on the raw bits; a carry moves into the exponent, and the
+       largest finite values carry into inf (no wrap unless x is a NaN) */
+    uint32_t rounded = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+    uint32_t quiet = (x >> 16) | 0x0040u;  /* NaN: quiet, top payload bits */
+    /* a select rather than a branch, so that compilers vectorise the loop */
+    return (uint16_t)((x & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+
+LORAHOOK_HALF_FN void lorahook_half_widen_portable(const uint16_t *src, float *dst, size_t n, int kind) {
+    size_t i;
+    if (kind == LORAHOOK_HALF_BF16) {
+        for (i = 0; i < n; i++)
+            dst[i] = lorahook_f32_from_bits((uint32_t)src[i] << 16);
+    } else {
+        for (i = 0; i < n; i++)
+            dst[i] = lorahook_f32_from_bits(lorahook_f16_to_f32_bits(src[i]));
+    }
+}
+
+LORAHOOK_HALF_FN void lorahook_half_narrow_portable(const float *src, uint16_t *dst, size_t n, int kind) {
+    size_t i;
+    if (kind == LORAHOOK_HALF_BF16) {
+        for (i = 0; i < n; i++)
+            dst[i] = lorahook_f32_bits_to_bf16(lorahook_f32_bits(src[i]));
+    } else {
+        for (i = 0; i < n; i++)
+            dst[i] = lorahook_f32_bits_to_f16(lorahook_f32_bits(src[i]));
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* x86-64 fast paths.  Full vectors only; the tail (fewer values than  */
+/* one vector) goes through the portable code, which gives the same    */
+/* bits.  Unaligned loads and stores throughout.                      */
+/*                                                                    */
+/* Each ends with an explicit VZEROUPPER: GCC does not always insert  */
+/* one in target("avx...") functions of a non-AVX build, and a thread */
+/* left with dirty upper register halves runs all later SSE code      */
+/* (ours, numpy's, the interpreter's) several times slower.           */
+
+#if LORAHOOK_HALF_X86
+
+__attribute__((target("avx2,f16c")))
+LORAHOOK_HALF_FN void lorahook_half_widen_avx2(const uint16_t *src, float *dst, size_t n, int kind) {
+    size_t i = 0;
+    if (kind == LORAHOOK_HALF_BF16) {
+        for (; i + 8 <= n; i += 8) {
+            __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+            _mm256_storeu_si256((__m256i *)(dst + i), _mm256_slli_epi32(w, 16));
+        }
+    } else {
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    }
+    _mm256_zeroupper();
+    lorahook_half_widen_portable(src + i, dst + i, n - i, kind);
+}
+
+__attribute__((target("avx2,f16c")))
+LORAHOOK_HALF_FN void lorahook_half_narrow_avx2(const float *src, uint16_t *dst, size_t n, int kind) {
+    size_t i = 0;
+    if (kind == LORAHOOK_HALF_BF16) {
+        /* the portable rule on 8 lanes: integer ties-to-even, NaN lanes replaced */
+        const __m256i one = _mm256_set1_epi32(1);
+        const __m256i bias = _mm256_set1_epi32(0x7FFF);
+        const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
+        const __m256i inf = _mm256_set1_epi32(0x7F800000);
+        const __m256i quiet = _mm256_set1_epi32(0x0040);
+        for (; i + 8 <= n; i += 8) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(src + i));
+            __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), one);
+            __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(bias, lsb)), 16);
+            /* |x| > inf as signed 32-bit integers: both sides are non-negative */
+            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, absmask), inf);
+            __m256i qn = _mm256_or_si256(_mm256_srli_epi32(x, 16), quiet);
+            r = _mm256_blendv_epi8(r, qn, nan);
+            /* every lane is <= 0xFFFF, so the unsigned saturating pack is exact;
+               it interleaves the 128-bit halves, the permute puts them back */
+            __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+            _mm_storeu_si128((__m128i *)(dst + i), _mm256_castsi256_si128(p));
+        }
+    } else {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(dst + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+    _mm256_zeroupper();
+    lorahook_half_narrow_portable(src + i, dst + i, n - i, kind);
+}
+
+__attribute__((target("avx512f,avx512bf16,avx512vl")))
+LORAHOOK_HALF_FN void lorahook_half_widen_avx512(const uint16_t *src, float *dst, size_t n, int kind) {
+    size_t i = 0;
+    if (kind == LORAHOOK_HALF_BF16) {
+        for (; i + 16 <= n; i += 16) {
+            __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
+            _mm512_storeu_si512((void *)(dst + i), _mm512_slli_epi32(w, 16));
+        }
+    } else {
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+    }
+    _mm256_zeroupper();
+    lorahook_half_widen_portable(src + i, dst + i, n - i, kind);
+}
+
+__attribute__((target("avx512f,avx512bf16,avx512vl")))
+LORAHOOK_HALF_FN void lorahook_half_narrow_avx512(const float *src, uint16_t *dst, size_t n, int kind) {
+    size_t i = 0;
+    if (kind == LORAHOOK_HALF_BF16) {
+        /* VCVTNEPS2BF16 rounds to nearest even and quiets NaNs exactly as the
+           portable rule does, but treats float32 subnormal inputs as zero.
+           Lanes with a zero exponent and a non-zero mantissa are redone with
+           the integer rule (exact there: no carry can reach a NaN). */
+        const __m512i expmask = _mm512_set1_epi32(0x7F800000);
+        const __m512i manmask = _mm512_set1_epi32(0x007FFFFF);
+        const __m512i one = _mm512_set1_epi32(1);
+        const __m512i bias = _mm512_set1_epi32(0x7FFF);
+        for (; i + 16 <= n; i += 16) {
+            __m512 f = _mm512_loadu_ps(src + i);
+            __m256i r = (__m256i)_mm512_cvtneps_pbh(f);
+            __m512i x = _mm512_castps_si512(f);
+            __mmask16 sub = _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(x, expmask), x, manmask);
+            if (sub) {
+                __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), one);
+                __m512i ir = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(bias, lsb)), 16);
+                /* merge at 32-bit granularity: AVX-512F alone, no BW */
+                r = _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_cvtepu16_epi32(r), sub, ir));
+            }
+            _mm256_storeu_si256((__m256i *)(dst + i), r);
+        }
+    } else {
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i *)(dst + i),
+                                _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+    _mm256_zeroupper();
+    lorahook_half_narrow_portable(src + i, dst + i, n - i, kind);
+}
+
+#endif /* LORAHOOK_HALF_X86 */
+
+/* ------------------------------------------------------------------ */
+/* Dispatch.  -1 until the first use; races on the first use are      */
+/* harmless (every thread computes the same value, and every path     */
+/* gives the same bits).                                              */
+
+static int lorahook_half_active_path = -1;
+
+/* Bit i set: path i can run on this CPU (LORAHOOK_HALF_PORTABLE always). */
+LORAHOOK_HALF_FN int lorahook_half_supported(void) {
+    int paths = 1 << LORAHOOK_HALF_PORTABLE;
+#if LORAHOOK_HALF_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+        paths |= 1 << LORAHOOK_HALF_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bf16"))
+        paths |= 1 << LORAHOOK_HALF_AVX512;
+#endif
+    return paths;
+}
+
+/* The fastest path this CPU supports. */
+LORAHOOK_HALF_FN int lorahook_half_best_path(void) {
+    int paths = lorahook_half_supported();
+    if (paths & (1 << LORAHOOK_HALF_AVX512))
+        return LORAHOOK_HALF_AVX512;
+    if (paths & (1 << LORAHOOK_HALF_AVX2))
+        return LORAHOOK_HALF_AVX2;
+    return LORAHOOK_HALF_PORTABLE;
+}
+
+/* The active path, choosing the fastest on first use. */
+LORAHOOK_HALF_FN int lorahook_half_path(void) {
+    int p = __atomic_load_n(&lorahook_half_active_path, __ATOMIC_RELAXED);
+    if (p < 0) {
+        p = lorahook_half_best_path();
+        __atomic_store_n(&lorahook_half_active_path, p, __ATOMIC_RELAXED);
+    }
+    return p;
+}
+
+/* Make `path` the active one.  Returns the previous path, or -1 (and changes
+   nothing) when `path` is unknown or this CPU cannot run it.  Calls already
+   running finish on the path they started with. */
+LORAHOOK_HALF_FN int lorahook_half_set_path(int path) {
+    int old;
+    if (path < 0 || path >= LORAHOOK_HALF_NPATHS || !(lorahook_half_supported() & (1 << path)))
+        return -1;
+    old = lorahook_half_path();
+    __atomic_store_n(&lorahook_half_active_path, path, __ATOMIC_RELAXED);
+    return old;
+}
+
+/* Widen n 16-bit values of `kind` to float32 (rules above). */
+LORAHOOK_HALF_FN void lorahook_half_widen(const uint16_t *src, float *dst, size_t n, int kind) {
+#if LORAHOOK_HALF_X86
+    switch (lorahook_half_path()) {
+    case LORAHOOK_HALF_AVX512:
+        lorahook_half_widen_avx512(src, dst, n, kind);
+        return;
+    case LORAHOOK_HALF_AVX2:
+        lorahook_half_widen_avx2(src, dst, n, kind);
+        return;
+    default:
+        break;
+    }
+#endif
+    lorahook_half_widen_portable(src, dst, n, kind);
+}
+
+/* Narrow n float32 values to 16-bit values of `kind` (rules above). */
+LORAHOOK_HALF_FN void lorahook_half_narrow(const float *src, uint16_t *dst, size_t n, int kind) {
+#if LORAHOOK_HALF_X86
+    switch (lorahook_half_path()) {
+    case LORAHOOK_HALF_AVX512:
+        lorahook_half_narrow_avx512(src, dst, n, kind);
+        return;
+    case LORAHOOK_HALF_AVX2:
+        lorahook_half_narrow_avx2(src, dst, n, kind);
+        return;
+    default:
+        break;
+    }
+#endif
+    lorahook_half_narrow_portable(src, dst, n, kind);
+}
+
+#endif /* LORAHOOK_HALF_H */
