@@ -3,8 +3,11 @@
 
 cdef struct Segment:
     # One adapter layer applied to a set of rows of one projection.
-    const float *a          # (rank, d_in), row-major
+    const float *a          # (rank, d_in), row-major (NULL with 16-bit weights)
     const float *b          # B^T: (rank, d_out), row-major (B column-major)
+    const unsigned short *a16   # the same as 16-bit patterns when wkind >= 0
+    const unsigned short *b16
+    int wkind               # -1: float32 weights; else the _half.h kind of a16/b16
     const float *bias       # (d_out,) or NULL
     int rank
     float scale             # used when row_scales is NULL
@@ -17,6 +20,9 @@ cdef class LayerKernel:
     """The compiled view of one validated adapter layer (read-only arrays)."""
     cdef const float[:, ::1] a    # (rank, d_in)
     cdef const float[:, ::1] bt   # B^T, (rank, d_out) C-contiguous: the one layout of B
+    cdef const unsigned short[:, ::1] a16   # a and bt as 16-bit patterns (half weights)
+    cdef const unsigned short[:, ::1] bt16
+    cdef int wkind                 # -1: float32 weights; else the _half.h kind
     cdef const float[::1] bias
     cdef readonly int rank
     cdef readonly int d_in

@@ -50,8 +50,23 @@ from libc.limits cimport INT_MAX
 from libc.stdlib cimport free
 from cpython.type cimport PyType_IsSubtype
 from scipy.linalg.cython_blas cimport sgemm, sgemv, saxpy, sscal
+from libc.stdint cimport uint16_t
+
+cdef extern from "_half.h" nogil:
+    int LORAHOOK_HALF_F16
+    int LORAHOOK_HALF_BF16
+    int LORAHOOK_HALF_PORTABLE
+    int LORAHOOK_HALF_AVX2
+    int LORAHOOK_HALF_AVX512
+    int lorahook_half_supported() noexcept
+    int lorahook_half_best_path() noexcept
+    int lorahook_half_path() noexcept
+    int lorahook_half_set_path(int path) noexcept
+    void lorahook_half_widen(const uint16_t *src, float *dst, size_t n, int kind) noexcept
+    void lorahook_half_narrow(const float *src, uint16_t *dst, size_t n, int kind) noexcept
 
 import operator
+import sys
 
 import numpy as np
 
@@ -70,14 +85,22 @@ cdef extern from *:
        storage only: no thread is started here.) */
     #define LORAHOOK_SCRATCH_CACHE_FLOATS ((size_t)1 << 20)
 
-    typedef struct { float *data; size_t len; } lorahook_buf;
+    /* Three independent areas per thread: 0 for the float32 kernels, 1 for
+       half-precision rows widened to float32, 2 for half-precision adapter
+       weights widened to float32. */
+    #define LORAHOOK_SCRATCH_SLOTS 3
+    typedef struct { float *data[LORAHOOK_SCRATCH_SLOTS]; size_t len[LORAHOOK_SCRATCH_SLOTS]; } lorahook_buf;
     static pthread_key_t lorahook_key;
     static pthread_once_t lorahook_once = PTHREAD_ONCE_INIT;
     static int lorahook_key_ok = 0;
 
     static void lorahook_buf_free(void *p) {
         lorahook_buf *b = (lorahook_buf *)p;
-        if (b != NULL) { free(b->data); free(b); }
+        int i;
+        if (b != NULL) {
+            for (i = 0; i < LORAHOOK_SCRATCH_SLOTS; i++) free(b->data[i]);
+            free(b);
+        }
     }
     static void lorahook_make_key(void) {
         lorahook_key_ok = (pthread_key_create(&lorahook_key, lorahook_buf_free) == 0);
@@ -85,7 +108,7 @@ cdef extern from *:
     /* Returns a buffer of at least n floats, or NULL when out of memory.
        *owned is set to 1 when the caller must free() it (requests larger
        than the cache, or no thread-local storage available). */
-    static float *lorahook_scratch(size_t n, int *owned) {
+    static float *lorahook_scratch_slot(size_t n, int slot, int *owned) {
         lorahook_buf *b;
         *owned = 0;
         if (n == 0) n = 1;
@@ -101,15 +124,16 @@ cdef extern from *:
             if (pthread_setspecific(lorahook_key, b) != 0) { free(b); *owned = 1;
                 return (float *)malloc(n * sizeof(float)); }
         }
-        if (b->len < n) {
+        if (b->len[slot] < n) {
             float *p = (float *)malloc(n * sizeof(float));
             if (p == NULL) return NULL;
-            free(b->data);
-            b->data = p;
-            b->len = n;
+            free(b->data[slot]);
+            b->data[slot] = p;
+            b->len[slot] = n;
         }
-        return b->data;
+        return b->data[slot];
     }
+    static float *lorahook_scratch(size_t n, int *owned) { return lorahook_scratch_slot(n, 0, owned); }
 
     /* The file of the BLAS library the kernels call ("" when unknown): the
        dynamic loader says which file holds a function of the module that
@@ -144,6 +168,7 @@ cdef extern from *:
     #endif
     """
     float *lorahook_scratch(size_t n, int *owned) noexcept nogil
+    float *lorahook_scratch_slot(size_t n, int slot, int *owned) noexcept nogil
     size_t LORAHOOK_SCRATCH_CACHE_FLOATS
     int LORAHOOK_DEBUG_BUILD
     char *lorahook_blas_path
@@ -212,15 +237,70 @@ cdef inline str _shape_str(cnp.ndarray arr):
     return str((<object>arr).shape)
 
 
-cdef int _check_type(object arr, str name) except -1:
+# The dtypes rows may have.  bfloat16 is ml_dtypes' numpy dtype, recognised by
+# its type number once the caller has imported ml_dtypes (lorahook never
+# imports it: that registers a dtype with numpy for the whole process).
+cdef enum:
+    ROWS_F32 = 0
+    ROWS_F16 = 1
+    ROWS_BF16 = 2
+
+cdef int _bf16_typenum = -1
+_ROW_DTYPES = "float32, float16 or bfloat16 (ml_dtypes)"
+
+
+cdef int _bfloat16_typenum():
+    global _bf16_typenum
+    if _bf16_typenum < 0:
+        ml = sys.modules.get("ml_dtypes")
+        bf = None if ml is None else getattr(ml, "bfloat16", None)
+        if bf is not None:
+            _bf16_typenum = np.dtype(bf).num
+    return _bf16_typenum
+
+
+cdef inline int _row_kind(cnp.ndarray a):
+    """ROWS_F32 / ROWS_F16 / ROWS_BF16 for a native-order array of that dtype, else -1."""
+    cdef int t = cnp.PyArray_TYPE(a)
+    if not cnp.PyArray_ISNOTSWAPPED(a):
+        return -1
+    if t == cnp.NPY_FLOAT32:
+        return ROWS_F32
+    if t == cnp.NPY_FLOAT16:
+        return ROWS_F16
+    if t >= 256 and t == _bfloat16_typenum():  # NPY_USERDEF: user dtypes number from 256
+        return ROWS_BF16
+    return -1
+
+
+cdef int _check_type(object arr, str name, int bits=-1) except -1:
+    """The row kind of ``arr``; ``TypeError`` for anything but a native float32/16, bfloat16 array.
+
+    With ``bits`` (a half row kind), native uint16 arrays are taken as the
+    16-bit patterns of rows of that kind (how lorahook.torch passes tensors).
+    """
     if not cnp.PyArray_Check(arr):
         raise TypeError(
-            f"{name} must be a numpy.ndarray of dtype float32, got {type(arr).__name__}")
+            f"{name} must be a numpy.ndarray of dtype {_ROW_DTYPES}, got {type(arr).__name__}")
     cdef cnp.ndarray a = <cnp.ndarray>arr
-    if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT32 or not cnp.PyArray_ISNOTSWAPPED(a):
+    if bits >= 0 and cnp.PyArray_TYPE(a) == cnp.NPY_UINT16 and cnp.PyArray_ISNOTSWAPPED(a):
+        return bits
+    cdef int kind = _row_kind(a)
+    if kind < 0:
         raise TypeError(
-            f"{name} must have dtype float32 in native byte order, got {a.dtype.str} ({a.dtype})")
-    return 0
+            f"{name} must have dtype {_ROW_DTYPES} in native byte order, "
+            f"got {a.dtype.str} ({a.dtype})")
+    return kind
+
+
+cdef int _check_types(object input, object output, int bits=-1) except -1:
+    """Both buffers' types; they must share one dtype.  Returns the row kind."""
+    cdef int kx = _check_type(input, "input", bits)
+    cdef int ky = _check_type(output, "output", bits)
+    if kx != ky:
+        raise TypeError(f"input and output must share one dtype, got input {input.dtype} and "
+                        f"output {output.dtype}")
+    return kx
 
 
 cdef int _check_layout(cnp.ndarray a, str name, bint writable) except -1:
@@ -289,14 +369,16 @@ cdef int _refuse_overlap(cnp.ndarray x, cnp.ndarray y) except -1:
 
 
 cdef Py_ssize_t _check_call(object input, object output, object input_row_width,
-                            object output_row_width, Py_ssize_t *widths=NULL) except -1:
+                            object output_row_width, Py_ssize_t *widths=NULL,
+                            int *kind=NULL, int bits=-1) except -1:
     """The spec's call checks in order; returns the row count.
 
     ``widths``, when given, receives ``(input_row_width, output_row_width)``
-    as checked ints.
+    as checked ints; ``kind`` the row kind.
     """
-    _check_type(input, "input")
-    _check_type(output, "output")
+    cdef int k = _check_types(input, output, bits)
+    if kind != NULL:
+        kind[0] = k
     cdef cnp.ndarray x = <cnp.ndarray>input
     cdef cnp.ndarray y = <cnp.ndarray>output
     _check_layout(x, "input", False)
@@ -527,8 +609,14 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, out
     """Add ``hook``'s LoRA delta to every row of ``output`` in place.
 
     ``input`` holds the rows given to the base projection and ``output`` its
-    result, each a float32 C-contiguous ``ndarray``, either flattened 1-D
-    (``len == rows * width``) or 2-D ``(rows, width)``.  The call is checked
+    result, each a C-contiguous ``ndarray``, either flattened 1-D
+    (``len == rows * width``) or 2-D ``(rows, width)``, both of one dtype:
+    float32, float16 or bfloat16 (an ``ml_dtypes.bfloat16`` array; lorahook
+    recognises the dtype once the caller has imported ml_dtypes, and never
+    imports it itself).  Half-precision rows are widened to float32, the
+    delta is added to the widened output and the sum is rounded once to the
+    output dtype (to nearest even); generic Python hooks get float32 rows
+    only (``TypeError`` for half rows).  The call is checked
     first, whatever the hook (``TypeError`` for the hook's type, types,
     dtypes and non-integer widths; ``ValueError`` for ndim, contiguity,
     writability, widths, row counts, overlapping buffers and a bound hook's
@@ -541,6 +629,23 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, out
     batch runs in the compiled core with the GIL released, on the calling
     thread; any other hook gets one ``apply`` call per row, in row order.
     """
+    return _apply(hook, layer_idx, module, input, output, input_row_width, output_row_width, -1)
+
+
+def _apply_lora_bits(hook, layer_idx, module, input, output, input_row_width,
+                     output_row_width, bfloat16):
+    """``apply_lora_rows`` for uint16 arrays holding float16 (or, with ``bfloat16``, bfloat16) bits.
+
+    How lorahook.torch passes half-precision tensors without a copy (torch
+    tensors view as uint16; numpy has no bfloat16 of its own).  Arrays of a
+    float dtype are taken as they are.
+    """
+    return _apply(hook, layer_idx, module, input, output, input_row_width, output_row_width,
+                  ROWS_BF16 if bfloat16 else ROWS_F16)
+
+
+cdef object _apply(hook, layer_idx, module, input, output, input_row_width, output_row_width,
+                   int bits):
     cdef type t = type(hook)
     cdef KernelSource src = None
     cdef int mode = MODE_ROWS
@@ -553,7 +658,9 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, out
                                     or isinstance(hook, _hook_base)):
         raise TypeError(f"hook must be a lorahook.LoraHook, got {type(hook).__name__}")
     cdef Py_ssize_t widths[2]
-    cdef Py_ssize_t n = _check_call(input, output, input_row_width, output_row_width, widths)
+    cdef int kind = ROWS_F32
+    cdef Py_ssize_t n = _check_call(input, output, input_row_width, output_row_width, widths,
+                                    &kind, bits)
     cdef Py_ssize_t per_unit = 0
     if src is not None and src._grouped:
         per_unit = src._check_rows(n)
@@ -563,6 +670,9 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, out
         raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
     if type(module) is not str:
         raise TypeError(f"module must be a str, got {type(module).__name__}")
+    if kind != ROWS_F32 and (src is None or mode == MODE_ROWS):
+        raise TypeError(f"{type(hook).__name__} is a Python hook (one apply() per row): it "
+                        f"takes float32 rows only, got {input.dtype} rows")
     cdef tuple key
     cdef GroupPlan plan
     if mode != MODE_KERNELS:
@@ -586,11 +696,11 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width, out
             return
         _check_kernel_widths(<LayerKernel>found, key, src._label, widths[0], widths[1])
         if n:
-            _run_layer(<LayerKernel>found, <cnp.ndarray>input, <cnp.ndarray>output, n)
+            _run_layer(<LayerKernel>found, <cnp.ndarray>input, <cnp.ndarray>output, n, kind)
         return
     plan = src._plan(key, n, per_unit, <int>widths[0], <int>widths[1])
     if plan is not None:
-        plan._run(<cnp.ndarray>input, <cnp.ndarray>output)
+        plan._run(<cnp.ndarray>input, <cnp.ndarray>output, kind)
 
 
 # ---------------------------------------------------------------------------
@@ -603,20 +713,32 @@ cdef class LayerKernel:
     """Typed views of one adapter layer's arrays, made once at construction.
 
     ``a`` is ``(rank, d_in)``, ``bt`` is ``B^T``, ``(rank, d_out)``, ``bias``
-    is ``(d_out,)`` or ``None``; all float32 C-contiguous.  The owning
-    :class:`~lorahook.LoraLayer` validates values; this class re-checks the
-    shapes it relies on so that no kernel can read past an array.
+    is ``(d_out,)`` or ``None``; all C-contiguous.  ``bias`` is float32; ``a``
+    and ``bt`` are float32, or with ``weights="float16"`` / ``"bfloat16"``
+    uint16 arrays of those 16-bit patterns, widened to float32 in per-thread
+    scratch on every call.  The owning :class:`~lorahook.LoraLayer` validates
+    values; this class re-checks the shapes it relies on so that no kernel can
+    read past an array.
     """
 
-    def __cinit__(self, a, bt, scale, bias=None):
-        self.a = a
-        self.bt = bt
-        cdef Py_ssize_t rank = self.a.shape[0]
-        cdef Py_ssize_t d_in = self.a.shape[1]
-        cdef Py_ssize_t d_out = self.bt.shape[1]
-        if self.bt.shape[0] != rank:
-            raise ValueError(
-                f"bt must have shape ({rank}, d_out), got {self.bt.shape[0], self.bt.shape[1]}")
+    def __cinit__(self, a, bt, scale, bias=None, weights="float32"):
+        cdef Py_ssize_t rank, d_in, d_out, bt_rank
+        if weights == "float32":
+            self.wkind = -1
+            self.a = a
+            self.bt = bt
+            rank, d_in = self.a.shape[0], self.a.shape[1]
+            bt_rank, d_out = self.bt.shape[0], self.bt.shape[1]
+        elif weights in ("float16", "bfloat16"):
+            self.wkind = LORAHOOK_HALF_F16 if weights == "float16" else LORAHOOK_HALF_BF16
+            self.a16 = a
+            self.bt16 = bt
+            rank, d_in = self.a16.shape[0], self.a16.shape[1]
+            bt_rank, d_out = self.bt16.shape[0], self.bt16.shape[1]
+        else:
+            raise ValueError(f"weights must be 'float32', 'float16' or 'bfloat16', got {weights!r}")
+        if bt_rank != rank:
+            raise ValueError(f"bt must have shape ({rank}, d_out), got {bt_rank, d_out}")
         if d_in < 1 or d_out < 1:
             raise ValueError(f"d_in and d_out must be >= 1, got ({d_in}, {d_out})")
         if rank > INT_MAX or d_in > INT_MAX or d_out > INT_MAX:
@@ -637,8 +759,17 @@ cdef class LayerKernel:
         raise TypeError("LayerKernel is rebuilt from its LoraLayer and does not pickle")
 
     cdef void fill(self, Segment *s) noexcept:
-        s.a = &self.a[0, 0] if self.rank > 0 else NULL
-        s.b = &self.bt[0, 0] if self.rank > 0 else NULL
+        s.wkind = self.wkind
+        s.a = NULL
+        s.b = NULL
+        s.a16 = NULL
+        s.b16 = NULL
+        if self.rank > 0 and self.wkind < 0:
+            s.a = &self.a[0, 0]
+            s.b = &self.bt[0, 0]
+        elif self.rank > 0:
+            s.a16 = &self.a16[0, 0]
+            s.b16 = &self.bt16[0, 0]
         s.bias = &self.bias[0] if self.has_bias else NULL
         s.rank = self.rank
         s.scale = self.scale
@@ -756,6 +887,75 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
     return 0
 
 
+cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, int d_out,
+                          Py_ssize_t crossover, int kind) noexcept nogil:
+    """``_run_segment`` for rows of any kind and adapters with 16-bit weights.
+
+    16-bit weights are widened once per call into scratch area 2.  Half rows
+    (``kind`` F16/BF16) are processed in chunks: each chunk's input and
+    output rows are widened into scratch area 1, the float32 kernel adds the
+    delta to the widened output, and each output row is rounded back once, to
+    nearest even.  The kernel path (row loop or sgemm) is chosen by the whole
+    segment's row count, as for float32 rows.  Returns -1 without memory.
+    """
+    cdef Segment seg = s[0]
+    cdef Py_ssize_t n = s.n_rows, k, j, r, chunk, cap
+    cdef int owned_w = 0, owned_r = 0, rc = 0, c, hk
+    cdef float *W = NULL
+    cdef float *G
+    cdef float *D
+    cdef float *R = NULL
+    if s.rank == 0 or n == 0:
+        return 0
+    if s.wkind >= 0:
+        W = lorahook_scratch_slot(<size_t>s.rank * (<size_t>d_in + d_out), 2, &owned_w)
+        if W == NULL:
+            return -1
+        lorahook_half_widen(<const uint16_t *>s.a16, W, <size_t>s.rank * d_in, s.wkind)
+        lorahook_half_widen(<const uint16_t *>s.b16, W + <Py_ssize_t>s.rank * d_in,
+                            <size_t>s.rank * d_out, s.wkind)
+        seg.a = W
+        seg.b = W + <Py_ssize_t>s.rank * d_in
+    if kind == ROWS_F32:
+        rc = _run_segment(&seg, <const float *>X, <float *>Y, d_in, d_out, crossover)
+    else:
+        hk = LORAHOOK_HALF_F16 if kind == ROWS_F16 else LORAHOOK_HALF_BF16
+        cap = <Py_ssize_t>(LORAHOOK_SCRATCH_CACHE_FLOATS // 2) // (<Py_ssize_t>d_in + d_out)
+        chunk = n if n < cap else cap
+        if chunk < 1:
+            chunk = 1
+        R = lorahook_scratch_slot(<size_t>chunk * (<size_t>d_in + d_out), 1, &owned_r)
+        if R == NULL:
+            rc = -1
+        else:
+            G = R
+            D = R + chunk * d_in
+            # the whole segment's choice of kernel, for every chunk
+            crossover = 1 if n >= crossover else n + 1
+            k = 0
+            while k < n:
+                c = <int>(chunk if n - k > chunk else n - k)
+                for j in range(c):
+                    r = s.rows[k + j] if s.rows != NULL else k + j
+                    lorahook_half_widen(<const uint16_t *>X + r * d_in, G + j * d_in, d_in, hk)
+                    lorahook_half_widen(<const uint16_t *>Y + r * d_out, D + j * d_out, d_out, hk)
+                seg.rows = NULL
+                seg.n_rows = c
+                seg.row_scales = s.row_scales + k if s.row_scales != NULL else NULL
+                rc = _run_segment(&seg, G, D, d_in, d_out, crossover)
+                if rc != 0:
+                    break
+                for j in range(c):
+                    r = s.rows[k + j] if s.rows != NULL else k + j
+                    lorahook_half_narrow(D + j * d_out, <uint16_t *>Y + r * d_out, d_out, hk)
+                k += c
+    if owned_r:
+        free(R)
+    if owned_w:
+        free(W)
+    return rc
+
+
 cdef inline cnp.ndarray _checked_rows_buffer(object arr, Py_ssize_t n, Py_ssize_t width,
                                              str name, bint writable):
     _check_type(arr, name)
@@ -766,38 +966,41 @@ cdef inline cnp.ndarray _checked_rows_buffer(object arr, Py_ssize_t n, Py_ssize_
     return a
 
 
-cdef inline cnp.ndarray _checked_output(object input, object output, Py_ssize_t n,
-                                        Py_ssize_t d_in, Py_ssize_t d_out):
+cdef inline int _checked_output(object input, object output, Py_ssize_t n,
+                                Py_ssize_t d_in, Py_ssize_t d_out) except -1:
+    """Check a kernel call's buffers; returns their row kind."""
+    cdef int kind = _check_types(input, output)
     cdef cnp.ndarray x = _checked_rows_buffer(input, n, d_in, "input", False)
     cdef cnp.ndarray y = _checked_rows_buffer(output, n, d_out, "output", True)
     _refuse_overlap(x, y)
-    return y
+    return kind
 
 
 def apply_layer(LayerKernel layer not None, input, output, Py_ssize_t n_rows):
     """Add one layer's delta to ``n_rows`` rows (widths are the layer's)."""
-    y = _checked_output(input, output, n_rows, layer.d_in, layer.d_out)
-    _run_layer(layer, <cnp.ndarray>input, y, n_rows)
+    kind = _checked_output(input, output, n_rows, layer.d_in, layer.d_out)
+    _run_layer(layer, <cnp.ndarray>input, <cnp.ndarray>output, n_rows, kind)
 
 
-cdef int _run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_rows) except -1:
+cdef int _run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_rows,
+                    int kind) except -1:
     """The kernel on buffers already checked to hold ``n_rows`` rows of the layer's widths."""
     cdef Segment seg
     layer.fill(&seg)
     seg.n_rows = n_rows
-    return _run_segments(&seg, 1, x, y, layer.d_in, layer.d_out)
+    return _run_segments(&seg, 1, x, y, layer.d_in, layer.d_out, kind)
 
 
 cdef int _run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.ndarray y,
-                       int d_in, int d_out) except -1:
+                       int d_in, int d_out, int kind) except -1:
     """Run segments one after the other on checked buffers, with the GIL released.
 
     The one way into the kernels.  Segments run in order on the calling
     thread, so two updates of one row never race.
     """
     global _batched_seen
-    cdef const float *X = <const float *>cnp.PyArray_DATA(x)
-    cdef float *Y = <float *>cnp.PyArray_DATA(y)
+    cdef const char *X = <const char *>cnp.PyArray_DATA(x)
+    cdef char *Y = <char *>cnp.PyArray_DATA(y)
     cdef Py_ssize_t g, crossover = _gemm_crossover
     cdef int rc = 0
     if not _batched_seen:
@@ -809,7 +1012,7 @@ cdef int _run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.nd
                 break
     with nogil:
         for g in range(ng):
-            rc = _run_segment(&segs[g], X, Y, d_in, d_out, crossover)
+            rc = _run_segment_any(&segs[g], X, Y, d_in, d_out, crossover, kind)
             if rc != 0:
                 break
     if rc != 0:
@@ -909,14 +1112,18 @@ cdef class GroupPlan:
         raise TypeError("GroupPlan belongs to one process and does not pickle")
 
     def apply(self, input, output):
-        """Add every group's delta to the plan's ``n_rows`` rows of ``output`` in place."""
-        y = _checked_output(input, output, self.n_rows, self.d_in, self.d_out)
-        self._run(<cnp.ndarray>input, y)
+        """Add every group's delta to the plan's ``n_rows`` rows of ``output`` in place.
 
-    cdef int _run(self, cnp.ndarray x, cnp.ndarray y) except -1:
+        Half-precision rows are rounded once per group: groups that share a
+        row round it once each.
+        """
+        kind = _checked_output(input, output, self.n_rows, self.d_in, self.d_out)
+        self._run(<cnp.ndarray>input, <cnp.ndarray>output, kind)
+
+    cdef int _run(self, cnp.ndarray x, cnp.ndarray y, int kind) except -1:
         if self._ng == 0 or self.n_rows == 0:
             return 0
-        return _run_segments(self._segs, self._ng, x, y, self.d_in, self.d_out)
+        return _run_segments(self._segs, self._ng, x, y, self.d_in, self.d_out, kind)
 
 
 def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
@@ -931,8 +1138,9 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
     ``GroupPlan(groups, n_rows, d_in, d_out).apply(input, output)``, with the
     buffers checked first.
     """
-    y = _checked_output(input, output, n_rows, d_in, d_out)
-    (<GroupPlan>GroupPlan(groups, n_rows, d_in, d_out))._run(<cnp.ndarray>input, y)
+    kind = _checked_output(input, output, n_rows, d_in, d_out)
+    (<GroupPlan>GroupPlan(groups, n_rows, d_in, d_out))._run(<cnp.ndarray>input,
+                                                             <cnp.ndarray>output, kind)
 
 
 # ============================================================================
@@ -951,20 +1159,6 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
 # of conversion path inside lorahook.
 # ============================================================================
 
-from libc.stdint cimport uint16_t
-
-cdef extern from "_half.h" nogil:
-    int LORAHOOK_HALF_F16
-    int LORAHOOK_HALF_BF16
-    int LORAHOOK_HALF_PORTABLE
-    int LORAHOOK_HALF_AVX2
-    int LORAHOOK_HALF_AVX512
-    int lorahook_half_supported() noexcept
-    int lorahook_half_best_path() noexcept
-    int lorahook_half_path() noexcept
-    int lorahook_half_set_path(int path) noexcept
-    void lorahook_half_widen(const uint16_t *src, float *dst, size_t n, int kind) noexcept
-    void lorahook_half_narrow(const float *src, uint16_t *dst, size_t n, int kind) noexcept
 
 cdef extern from *:
     """

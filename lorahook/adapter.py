@@ -7,6 +7,7 @@ row widths, then runs the compiled kernel with the GIL released.
 """
 import math
 import numbers
+import sys
 from types import MappingProxyType
 
 import numpy as np
@@ -32,6 +33,40 @@ def _finite_scale(value, name):
     if abs(value) > _FLOAT32_MAX:
         raise ValueError(f"{name} must fit in float32 (|{name}| <= {_FLOAT32_MAX:.7g}), got {value}")
     return value
+
+
+_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _weight_dtype(dtype):
+    """The numpy dtype for ``float32`` / ``float16`` / ``bfloat16`` (ml_dtypes); TypeError otherwise."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        ml = sys.modules.get("ml_dtypes")
+        if ml is None:
+            raise TypeError("dtype 'bfloat16' means ml_dtypes.bfloat16: import ml_dtypes first "
+                            "(lorahook never imports it) or pass ml_dtypes.bfloat16")
+        dtype = ml.bfloat16
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
+    if dt.name not in _WEIGHT_DTYPES or not dt.isnative or (dt.name == "bfloat16" and dt.num < 256):
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dt}")
+    return dt
+
+
+def _as_float32(arr):
+    """A float32 array of ``arr``'s values (``arr`` itself when it is float32); exact."""
+    if arr.dtype == np.float32:
+        return arr
+    return _rows._half_widen(np.ascontiguousarray(arr).view(np.uint16), arr.dtype.name)
+
+
+def _rounded(arr32, dt):
+    """``arr32`` rounded to nearest even in ``dt`` (float16 / bfloat16), read-only."""
+    out = _rows._half_narrow(np.ascontiguousarray(arr32, dtype=np.float32), dt.name).view(dt)
+    out.flags.writeable = False
+    return out
 
 
 def _owned_float32(value, name, ndim, transpose=False):
@@ -94,7 +129,12 @@ class LoraLayer:
         object.__setattr__(self, "_bt", bt)
         object.__setattr__(self, "_scale", scale)
         object.__setattr__(self, "_bias", bias)
-        object.__setattr__(self, "_kernel", _rows.LayerKernel(a, bt, scale, bias))
+        if a.dtype == np.float32:
+            kernel = _rows.LayerKernel(a, bt, scale, bias)
+        else:  # 16-bit weights: the core takes their bit patterns
+            kernel = _rows.LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale, bias,
+                                       weights=a.dtype.name)
+        object.__setattr__(self, "_kernel", kernel)
 
     @classmethod
     def _trusted(cls, a, bt, scale, bias):
@@ -134,9 +174,36 @@ class LoraLayer:
         """The same arrays with another scale (no copy)."""
         return LoraLayer._trusted(self._a, self._bt, _finite_scale(scale, "scale"), self._bias)
 
+    @property
+    def dtype(self):
+        """The dtype ``a`` and ``b`` are kept in: float32, float16 or bfloat16."""
+        return self._a.dtype
+
+    def astype(self, dtype):
+        """This layer with ``a`` and ``b`` kept in ``dtype`` (float32, float16 or bfloat16).
+
+        Values are rounded once, to nearest even; the bias (if any) is rounded
+        to ``dtype`` too and kept as float32.  ``self`` when already in
+        ``dtype``.  The kernels widen 16-bit weights to float32 on each call.
+        """
+        dt = _weight_dtype(dtype)
+        if dt == self._a.dtype:
+            return self
+        a32, bt32 = _as_float32(self._a), _as_float32(self._bt)
+        bias = self._bias
+        if dt == np.float32:
+            a, bt = a32.copy(), bt32.copy()
+            a.flags.writeable = bt.flags.writeable = False
+        else:
+            a, bt = _rounded(a32, dt), _rounded(bt32, dt)
+            if bias is not None:
+                bias = _as_float32(_rounded(bias, dt)).copy()
+                bias.flags.writeable = False
+        return LoraLayer._trusted(a, bt, self._scale, bias)
+
     def delta_weight(self):
-        """``scale * B @ A`` as a float32 ``(d_out, d_in)`` array."""
-        out = self.b @ self._a
+        """``scale * B @ A`` as a float32 ``(d_out, d_in)`` array (computed in float32)."""
+        out = _as_float32(self._bt).T @ _as_float32(self._a)
         out *= np.float32(self._scale)
         return out
 
@@ -152,9 +219,11 @@ def _read_only(arr, name, ndim):
     Arrays that arrive that way (protocol-5 buffers included) are kept as they
     are, without a copy; anything else is refused.
     """
-    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.ndim != ndim \
-            or not arr.flags.c_contiguous or not arr.dtype.isnative:
-        raise TypeError(f"unpickled LoraLayer: {name} must be a native float32 C-contiguous "
+    if not isinstance(arr, np.ndarray) or arr.dtype.name not in _WEIGHT_DTYPES \
+            or arr.ndim != ndim or not arr.flags.c_contiguous or not arr.dtype.isnative \
+            or (name == "bias" and arr.dtype != np.float32):
+        raise TypeError(f"unpickled LoraLayer: {name} must be a native float32 (or float16 / "
+                        f"bfloat16 weights) C-contiguous "
                         f"{ndim}-D array, got {type(arr).__name__} "
                         f"{getattr(arr, 'dtype', '')} {getattr(arr, 'shape', '')}")
     if arr.flags.writeable:
@@ -317,6 +386,27 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
         known = set(known)
         return [key for key in sorted(self._layers) if key[1] not in known]
 
+    @property
+    def dtype(self):
+        """The dtype of the adapter's ``a`` and ``b`` arrays (float32 for an empty adapter)."""
+        dtypes = {layer.dtype for layer in self._layers.values()}
+        if len(dtypes) > 1:
+            raise TypeError(f"the adapter's layers have several dtypes: {sorted(map(str, dtypes))}")
+        return dtypes.pop() if dtypes else np.dtype(np.float32)
+
+    def astype(self, dtype):
+        """The same adapter with ``a`` and ``b`` kept in ``dtype``: float32, float16 or bfloat16.
+
+        Each value is rounded once, to nearest even (the bias, if any, is rounded
+        to ``dtype`` and kept as float32); :attr:`nbytes` halves for a 16-bit
+        dtype.  ``bfloat16`` is ``ml_dtypes.bfloat16`` (import ml_dtypes; lorahook
+        never imports it).  Calls compute in float32 from the rounded values,
+        widened per call; :meth:`delta_weight`, :func:`blend` and
+        :meth:`merge_into` work in float32; :meth:`save_peft` writes ``dtype``.
+        """
+        dt = _weight_dtype(dtype)
+        return self._derived({k: layer.astype(dt) for k, layer in self._layers.items()})
+
     def scaled(self, factor):
         """The same arrays with every scale multiplied by ``factor``."""
         factor = _finite_scale(factor, "factor")
@@ -377,13 +467,16 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
         return cls(layers, name=data.name, metadata=data.metadata, module_paths=data.module_paths)
 
     @classmethod
-    def from_peft(cls, path):
+    def from_peft(cls, path, dtype=None):
         """Load a PEFT adapter directory (``adapter_config.json`` + safetensors).
 
         Module paths of every family lorahook knows are placed (``lorahook.models``);
-        see :func:`lorahook.files.read_peft` for the rules and refusals.
+        see :func:`lorahook.files.read_peft` for the rules and refusals.  ``dtype``
+        (``None``: float32) keeps the arrays in float16 or bfloat16, as :meth:`astype`.
         """
-        return cls._from_data(read_peft(path))
+        dt = None if dtype is None else _weight_dtype(dtype)
+        adapter = cls._from_data(read_peft(path))
+        return adapter if dt is None else adapter.astype(dt)
 
     @classmethod
     def from_safetensors(cls, path, alpha=None):
@@ -443,7 +536,7 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
         update = np.add if sign > 0 else np.subtract
         for key, layer, w, bv in targets:
             delta = scratch[:w.size].reshape(w.shape)
-            np.matmul(layer.b, layer.a, out=delta)
+            np.matmul(_as_float32(layer._bt).T, _as_float32(layer.a), out=delta)
             delta *= np.float32(layer.scale)
             update(w, delta, out=w)
             if bv is not None:
@@ -539,8 +632,9 @@ def blend(weighted):
         if len(shapes) > 1:
             detail = ", ".join(f"item {i}: (d_in, d_out) = {(l.d_in, l.d_out)}" for i, l, _ in entries)
             raise ValueError(f"cannot blend key {key!r}: shapes differ ({detail})")
-        a = np.concatenate([l.a for _, l, _ in entries], axis=0)
-        b = np.concatenate([l.b.astype(np.float64) * (w * l.scale) for _, l, w in entries], axis=1)
+        a = np.concatenate([_as_float32(l.a) for _, l, _ in entries], axis=0)
+        b = np.concatenate([_as_float32(l._bt).T.astype(np.float64) * (w * l.scale)
+                            for _, l, w in entries], axis=1)
         biases = [(l.bias, w * l.scale) for _, l, w in entries if l.bias is not None]
         bias = None
         if biases and a.shape[0] > 0:

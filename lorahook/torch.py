@@ -1,4 +1,4 @@
-"""Attach a lorahook hook to a float32 PyTorch model on the CPU (optional; needs ``torch``).
+"""Attach a lorahook hook to a PyTorch model on the CPU (optional; needs ``torch``).
 
 ::
 
@@ -70,13 +70,19 @@ of the context::
 
 Blocks nest: the inner selection wins and the outer one is back on exit.
 
+Precision: float32, bfloat16 and float16 models.  Half-precision tensors
+reach the core as 16-bit patterns (``Tensor.view(torch.uint16)``: the same
+memory, no copy, no ``model.float()``); the core widens each row to float32,
+adds the delta computed in float32 and rounds the sum once to the model's
+dtype (PEFT computes the LoRA branch in the model's dtype and rounds twice).
+
 Not supported (refused with a clear error rather than silently wrong):
 
-* bf16 / fp16 / float64 weights or activations: lorahook computes in float32
-  only -- convert with ``model.float()``;
+* float64 (or other) weights or activations, and inputs whose dtype differs
+  from the output's;
 * quantised bases (bitsandbytes, GPTQ, AWQ, ``torch.ao`` quantised linears,
-  anything whose weight is not a float32 ``torch.Tensor``) and subclasses of
-  ``nn.Linear`` other than PEFT-free plain linears;
+  anything whose weight is not a plain float ``torch.Tensor``) and subclasses
+  of ``nn.Linear`` other than PEFT-free plain linears;
 * models that already carry PEFT LoRA layers (apply one or the other);
 * tensors on a device other than the CPU;
 * autograd: the delta is written through numpy, which autograd does not see.
@@ -87,6 +93,7 @@ Not supported (refused with a clear error rather than silently wrong):
 import contextvars
 import threading
 
+from ._rows import _apply_lora_bits
 from .hook import LoraHook, apply_lora_rows
 from .models import MeasuredGeometry, place
 
@@ -268,12 +275,15 @@ class Selection:
 
 
 def _as_numpy(t, what, path):
+    """A numpy view of a CPU tensor: float32 / float16 as they are, bfloat16 as uint16 bits."""
     import torch
     if t.device.type != "cpu":
         raise TypeError(f"lorahook.torch: {path}: the {what} is on {t.device}, expected the CPU")
-    if t.dtype != torch.float32:
-        raise TypeError(f"lorahook.torch: {path}: the {what} is {t.dtype}, expected torch.float32 "
-                        f"(lorahook computes in float32; convert the model with model.float())")
+    if t.dtype == torch.bfloat16:
+        return t.detach().view(torch.uint16).numpy()
+    if t.dtype not in (torch.float32, torch.float16):
+        raise TypeError(f"lorahook.torch: {path}: the {what} is {t.dtype}, expected torch.float32, "
+                        f"torch.bfloat16 or torch.float16")
     return t.detach().numpy()
 
 
@@ -336,10 +346,11 @@ def attach(model, hook, *, mapping=None):
                             f"{type(mod).__name__}, not a plain torch.nn.Linear (quantised and "
                             f"custom linear layers are not supported)")
         weight = mod.weight
-        if type(weight) not in (torch.Tensor, nn.Parameter) or weight.dtype != torch.float32:
+        if type(weight) not in (torch.Tensor, nn.Parameter) or weight.dtype not in (
+                torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"lorahook.torch: {path}: weight is {weight.dtype} "
-                            f"({type(weight).__name__}); only float32 weights are supported "
-                            f"(no bf16/fp16, no quantised bases): convert with model.float()")
+                            f"({type(weight).__name__}); only float32, bfloat16 and float16 "
+                            f"weights are supported (no quantised bases)")
         if weight.device.type != "cpu":
             raise TypeError(f"lorahook.torch: {path}: weight is on {weight.device}, expected the CPU")
         key = (int(key[0]), str(key[1]))
@@ -391,9 +402,15 @@ def _run(hook, path, layer_idx, module, x, output, d_in, d_out):
     replaced = None
     if not output.is_contiguous():
         output = replaced = output.contiguous()
+    if x.dtype != output.dtype:
+        raise TypeError(f"lorahook.torch: {path}: the input is {x.dtype} but the output is "
+                        f"{output.dtype}; both must have one dtype")
     xin = _as_numpy(x, "input", path).reshape(-1)
     yout = _as_numpy(output, "output", path).reshape(-1)
-    apply_lora_rows(hook, layer_idx, module, xin, yout, d_in, d_out)
+    if x.dtype == torch.bfloat16:
+        _apply_lora_bits(hook, layer_idx, module, xin, yout, d_in, d_out, True)
+    else:
+        apply_lora_rows(hook, layer_idx, module, xin, yout, d_in, d_out)
     return replaced
 
 

@@ -26,7 +26,8 @@ def write_peft(adapter, path: os.PathLike, architecture: Optional[str] = None,
                metadata: Optional[Mapping[str, str]] = None) -> Path:
     """Write ``adapter`` as a PEFT adapter directory that ``peft.PeftModel.from_pretrained`` loads.
 
-    Writes ``adapter_config.json`` and ``adapter_model.safetensors`` (float32) under ``path``
+    Writes ``adapter_config.json`` and ``adapter_model.safetensors`` (in the layers' dtype:
+    F32, F16 or BF16) under ``path``
     (created if needed). ``adapter`` is anything with the read-only face of a
     :class:`lorahook.LoraAdapter`: ``layers`` (``(layer_idx, module)`` -> an object with ``a``,
     ``b``, ``scale``, ``bias``, ``rank``, ``d_out``), ``module_paths``, ``name`` and ``metadata``.
@@ -99,11 +100,13 @@ def write_peft(adapter, path: os.PathLike, architecture: Optional[str] = None,
     tensors: Dict[str, np.ndarray] = {}
     for mpath, layer in items:
         prefix = PEFT_PREFIX + mpath
-        tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(layer.a, dtype=np.float32)
-        tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(layer.b, dtype=np.float32)
+        # the layer's own dtype: float32, float16 or (ml_dtypes) bfloat16
+        dtype = layer.a.dtype
+        tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(layer.a)
+        tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(layer.b)
         if lora_bias:
             bias = layer.bias if layer.bias is not None else np.zeros(layer.d_out, dtype=np.float32)
-            tensors[prefix + ".lora_B.bias"] = np.ascontiguousarray(bias, dtype=np.float32)
+            tensors[prefix + ".lora_B.bias"] = np.ascontiguousarray(bias).astype(dtype)
 
     config = {
         "peft_type": "LORA",
