@@ -45,7 +45,7 @@ the batch it was computed in.
 
 cimport cython
 cimport numpy as cnp
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from libc.limits cimport INT_MAX
 from libc.stdlib cimport free
 from cpython.type cimport PyType_IsSubtype
@@ -135,6 +135,20 @@ cdef extern from *:
     }
     static float *lorahook_scratch(size_t n, int *owned) { return lorahook_scratch_slot(n, 0, owned); }
 
+    /* y = round(widen(y) + d) for n 16-bit values of kind: the delta added to
+       the widened output, rounded once, in blocks that stay in L1. */
+    #define LORAHOOK_ADD_BLOCK 512
+    static void lorahook_half_add_round(const float *d, unsigned short *y, size_t n, int kind) {
+        float buf[LORAHOOK_ADD_BLOCK];
+        size_t i, j, m;
+        for (i = 0; i < n; i += m) {
+            m = n - i < LORAHOOK_ADD_BLOCK ? n - i : LORAHOOK_ADD_BLOCK;
+            lorahook_half_widen(y + i, buf, m, kind);
+            for (j = 0; j < m; j++) buf[j] += d[i + j];
+            lorahook_half_narrow(buf, y + i, m, kind);
+        }
+    }
+
     /* The file of the BLAS library the kernels call ("" when unknown): the
        dynamic loader says which file holds a function of the module that
        calls BLAS (scipy.linalg.cython_blas); a symbol lookup through that
@@ -169,6 +183,7 @@ cdef extern from *:
     """
     float *lorahook_scratch(size_t n, int *owned) noexcept nogil
     float *lorahook_scratch_slot(size_t n, int slot, int *owned) noexcept nogil
+    void lorahook_half_add_round(const float *d, uint16_t *y, size_t n, int kind) noexcept nogil
     size_t LORAHOOK_SCRATCH_CACHE_FLOATS
     int LORAHOOK_DEBUG_BUILD
     char *lorahook_blas_path
@@ -892,10 +907,10 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
     """``_run_segment`` for rows of any kind and adapters with 16-bit weights.
 
     16-bit weights are widened once per call into scratch area 2.  Half rows
-    (``kind`` F16/BF16) are processed in chunks: each chunk's input and
-    output rows are widened into scratch area 1, the float32 kernel adds the
-    delta to the widened output, and each output row is rounded back once, to
-    nearest even.  The kernel path (row loop or sgemm) is chosen by the whole
+    (``kind`` F16/BF16) are processed in chunks: each chunk's input rows are
+    widened into scratch area 1, the float32 kernel computes the delta there,
+    and each output row becomes ``round(widen(y) + delta)``: the delta added
+    to the widened output and rounded once, to nearest even.  The kernel path (row loop or sgemm) is chosen by the whole
     segment's row count, as for float32 rows.  Returns -1 without memory.
     """
     cdef Segment seg = s[0]
@@ -920,7 +935,8 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
         rc = _run_segment(&seg, <const float *>X, <float *>Y, d_in, d_out, crossover)
     else:
         hk = LORAHOOK_HALF_F16 if kind == ROWS_F16 else LORAHOOK_HALF_BF16
-        cap = <Py_ssize_t>(LORAHOOK_SCRATCH_CACHE_FLOATS // 2) // (<Py_ssize_t>d_in + d_out)
+        # chunks of rows whose widened input and delta stay in a core's L2
+        cap = <Py_ssize_t>(1 << 18) // (<Py_ssize_t>d_in + d_out)
         chunk = n if n < cap else cap
         if chunk < 1:
             chunk = 1
@@ -938,7 +954,7 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
                 for j in range(c):
                     r = s.rows[k + j] if s.rows != NULL else k + j
                     lorahook_half_widen(<const uint16_t *>X + r * d_in, G + j * d_in, d_in, hk)
-                    lorahook_half_widen(<const uint16_t *>Y + r * d_out, D + j * d_out, d_out, hk)
+                memset(D, 0, <size_t>c * d_out * sizeof(float))
                 seg.rows = NULL
                 seg.n_rows = c
                 seg.row_scales = s.row_scales + k if s.row_scales != NULL else NULL
@@ -947,7 +963,7 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
                     break
                 for j in range(c):
                     r = s.rows[k + j] if s.rows != NULL else k + j
-                    lorahook_half_narrow(D + j * d_out, <uint16_t *>Y + r * d_out, d_out, hk)
+                    lorahook_half_add_round(D + j * d_out, <uint16_t *>Y + r * d_out, d_out, hk)
                 k += c
     if owned_r:
         free(R)

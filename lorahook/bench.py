@@ -161,6 +161,31 @@ def _single(timer, rng, torch, F, n, d_in, d_out, rank, rounds=1):
     return out
 
 
+def _half(timer, rng, n, d_in, d_out, rank, rounds=1):
+    """One adapter on float32, bfloat16 and float16 rows, and a bfloat16 adapter, in rounds.
+
+    bfloat16 rows go in as uint16 bit patterns through the entry lorahook.torch
+    uses (``_rows._apply_lora_bits``), so that the benchmark needs no ml_dtypes.
+    """
+    from . import LoraAdapter, apply_lora_rows
+    from ._rows import _apply_lora_bits, _half_narrow
+    layer = _layer(rng, d_in, d_out, rank)
+    hook = LoraAdapter({(0, "q_proj"): layer})
+    X = rng.standard_normal((n, d_in)).astype(np.float32)
+    Y = np.zeros((n, d_out), np.float32)
+    Xh, Yh = X.astype(np.float16), Y.astype(np.float16)
+    Xb, Yb = _half_narrow(X, "bfloat16"), _half_narrow(Y, "bfloat16")
+    contenders = {
+        "float32": lambda: apply_lora_rows(hook, 0, "q_proj", X, Y, d_in, d_out),
+        "bfloat16": lambda: _apply_lora_bits(hook, 0, "q_proj", Xb, Yb, d_in, d_out, True),
+        "float16": lambda: apply_lora_rows(hook, 0, "q_proj", Xh, Yh, d_in, d_out),
+    }
+    half_adapter = hook.astype(np.float16)  # 16-bit weights, widened on each call
+    contenders["float16 adapter"] = lambda: apply_lora_rows(half_adapter, 0, "q_proj", X, Y,
+                                                            d_in, d_out)
+    return _rounds(timer, contenders, rounds)
+
+
 def _server_loop(timer, rng, n_rows, n_layers):
     """Per projection: numpy base matmul, then the hook (rank 16 everywhere)."""
     from . import LoraAdapter, Qwen35Config, apply_lora_rows
@@ -392,6 +417,8 @@ def _run(progress, quick, thread_study):
         ("server prefill 128 rows x 4 layers", (128, 4)),
         ("two threads x 128 rows", None),
         ("mixed 128 rows, 8 adapters x 16 rows, 1024->3584 r16", None),
+        ("half decode 1 row 1024->1024 r16", (1, 1024, 1024, 16)),
+        ("half prefill 256 rows 1024->3584 r16", (256, 1024, 3584, 16)),
         ("bind 256 rows x 8 adapters + one pass (Qwen3.5-0.8B)", None),
         ("generate 4 sequences, 3 adapters + base", None),
     ]
@@ -424,6 +451,8 @@ def _run(progress, quick, thread_study):
             res["threads"] = _two_threads(timer, rng)
         elif label.startswith("mixed"):
             res["mixed"] = dict(_mixed(timer, rng, torch, rounds=rounds), label=label)
+        elif label.startswith("half"):
+            res.setdefault("half", {})[label[5:]] = _half(timer, rng, *params, rounds=rounds)
         elif label.startswith("bind"):
             res["bind"] = _bind_cost(rng, 3 if quick else 9)
         elif label.startswith("generate"):
@@ -492,7 +521,8 @@ def _generate_scenario(quick):
         import transformers  # noqa: F401
     except ImportError as exc:
         return {"skip": f"needs torch, transformers and peft ({exc})"}
-    return bench_generate.run(rounds=3 if quick else 7)
+    return {dtype: bench_generate.run(rounds=3 if quick else 7, dtype=dtype)
+            for dtype in ("float32", "bfloat16")}
 
 
 def _ms(t):
@@ -563,6 +593,18 @@ def format_report(res):
             line += f"; PEFT skipped ({mx['peft_skip']})"
         lines.append(line)
         targets.append(("mixed: lorahook / single adapter", mx["lorahook"] / mx["single"], 2.5))
+    half = res.get("half")
+    if half:
+        lines.append("")
+        lines.append(f"{'half precision (ms per call)':36} {'float32':>9} {'bfloat16':>9} {'float16':>9} "
+                     f"{'bf16/f32':>9} {'f16/f32':>8} {'f16 adapter':>12}")
+        for label, r in half.items():
+            f32 = r["float32"]
+            lines.append(f"{label:36} {_ms(f32):>9} {_ms(r['bfloat16']):>9} {_ms(r['float16']):>9} "
+                         f"{r['bfloat16'] / f32:9.2f} {r['float16'] / f32:8.2f} "
+                         f"{_ms(r['float16 adapter']):>12}")
+            targets.append((f"{label}: bfloat16 / float32", r["bfloat16"] / f32, 1.5))
+            targets.append((f"{label}: float16 / float32", r["float16"] / f32, 1.5))
     bc = res.get("bind")
     if bc is not None:
         ratio = bc["fresh"] / bc["warm"]
@@ -578,9 +620,10 @@ def format_report(res):
             lines.append(f"mixed-batch generate: skipped ({gen['skip']})")
         else:
             from .bench_generate import format_report as generate_report
-            lines.append(generate_report(gen))
-            targets.append(("generate: lorahook / base model", gen["lorahook/base"], 1.2))
-            targets.append(("generate: lorahook / PEFT adapter_names", gen["lorahook/peft"], 0.75))
+            for dtype, g in gen.items():
+                lines.append(generate_report(g))
+                targets.append((f"generate {dtype}: lorahook / base model", g["lorahook/base"], 1.2))
+                targets.append((f"generate {dtype}: lorahook / PEFT", g["lorahook/peft"], 0.75))
     if res.get("thread_study"):
         lines.append("")
         lines.append("thread settings (server loop: 128 rows x 4 layers; callers: 128 rows 1024->3584, ms per call):")

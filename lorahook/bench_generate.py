@@ -42,8 +42,12 @@ SELECTION = ["a", "b", None, "c"]
 PROMPT, NEW_TOKENS = 24, 16
 
 
-def build(workdir):
-    """The model, PEFT's model and lorahook's attachment; adapters saved under ``workdir``."""
+def build(workdir, dtype="float32"):
+    """The model, PEFT's model and lorahook's attachment; adapters saved under ``workdir``.
+
+    ``dtype`` (``"float32"`` or ``"bfloat16"``) is the models' dtype; PEFT
+    keeps its defaults for that dtype, lorahook its float32 adapters.
+    """
     import peft
     import torch
     import transformers
@@ -59,6 +63,7 @@ def build(workdir):
         model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
             init_lora_weights=False, target_modules=TARGETS, **lora))
         model.save_pretrained(f"{workdir}/{name}")
+    base = base.to(getattr(torch, dtype))
     peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(base), f"{workdir}/a",
                                                 adapter_name="a")
     for name in ("b", "c"):
@@ -98,7 +103,7 @@ def contenders(base, peft_model, hooked, attached, inputs):
     return {"base": run_base, "peft": run_peft, "lorahook": run_lorahook}
 
 
-def run(rounds=7, torch_threads=2):
+def run(rounds=7, torch_threads=2, dtype="float32"):
     """Time the three contenders; returns a dict of medians (seconds) and ratios."""
     import torch
 
@@ -109,7 +114,7 @@ def run(rounds=7, torch_threads=2):
     torch.set_num_threads(torch_threads)
     try:
         with tempfile.TemporaryDirectory(prefix="lorahook-bench-") as workdir:
-            parts = build(workdir)
+            parts = build(workdir, dtype)
             calls = contenders(*parts)
             outs = {name: fn() for name, fn in calls.items()}  # warm-up, and the check below
             times = {name: [] for name in calls}
@@ -129,6 +134,7 @@ def run(rounds=7, torch_threads=2):
         "same_tokens": outs["lorahook"].tolist() == outs["peft"].tolist(),
         "rounds": rounds,
         "torch_threads": torch_threads,
+        "dtype": dtype,
     }
 
 
@@ -137,7 +143,8 @@ def format_report(res):
     med = res["median"]
     return "\n".join([
         f"mixed-batch generate (4 sequences: 3 adapters + base, prompt {PROMPT}, {NEW_TOKENS} new "
-        f"tokens, random Qwen3.5 hidden 512 x 4 layers, float32, torch {res['torch_threads']} "
+        f"tokens, random Qwen3.5 hidden 512 x 4 layers, {res.get('dtype', 'float32')}, torch "
+        f"{res['torch_threads']} "
         f"threads; medians of {res['rounds']} rounds):",
         f"  base {med['base'] * 1e3:.1f} ms, PEFT adapter_names {med['peft'] * 1e3:.1f} ms, "
         f"lorahook sequences {med['lorahook'] * 1e3:.1f} ms",

@@ -7,14 +7,14 @@ import tempfile
 
 
 class MixedGenerate:
-    params = [["base", "peft", "lorahook"]]
-    param_names = ["contender"]
+    params = [["base", "peft", "lorahook"], ["float32", "bfloat16"]]
+    param_names = ["contender", "dtype"]
     timeout = 600
     number = 1
     repeat = 5
 
 
-    def setup(self, contender):
+    def setup(self, contender, dtype):
         try:
             import torch
             from lorahook import bench_generate, threads
@@ -24,14 +24,14 @@ class MixedGenerate:
         torch.set_num_threads(2)
         self.workdir = tempfile.TemporaryDirectory(prefix="lorahook-asv-")
         try:
-            parts = bench_generate.build(self.workdir.name)
+            parts = bench_generate.build(self.workdir.name, dtype)
         except ImportError:
             raise NotImplementedError
         self.call = bench_generate.contenders(*parts)[contender]
         self.call()  # warm-up
 
-    def teardown(self, contender):
+    def teardown(self, contender, dtype):
         self.workdir.cleanup()
 
-    def time_generate(self, contender):
+    def time_generate(self, contender, dtype):
         self.call()

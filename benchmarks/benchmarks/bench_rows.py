@@ -210,3 +210,40 @@ class BindPerStep:
     def time_pass(self, mode):
         hook = self.adapters.bind(self.names) if mode == "bind_each_step" else self.bound
         self.one_pass(hook)
+
+
+class HalfPrecision:
+    """One adapter on float32, bfloat16 and float16 rows (decode and prefill shapes).
+
+    bfloat16 rows are passed as uint16 bit patterns through the entry
+    lorahook.torch uses, so the suite needs no ml_dtypes.  ``float16_adapter``
+    is float32 rows through an adapter kept in float16 (widened per call).
+    Skipped on versions without half precision.
+    """
+    params = [[(1, 1024, 1024), (256, 1024, 3584)],
+              ["float32", "bfloat16", "float16", "float16_adapter"]]
+    param_names = ["rows_shape", "dtype"]
+
+    def setup(self, rows_shape, dtype):
+        from lorahook import _rows
+        if not hasattr(_rows, "_apply_lora_bits"):
+            raise NotImplementedError
+        _configure()
+        n, d_in, d_out = rows_shape
+        rng = np.random.default_rng(0)
+        hook = LoraAdapter({(0, "q_proj"): _layer(rng, d_in, d_out, 16)})
+        x = rng.standard_normal((n, d_in)).astype(np.float32)
+        y = np.zeros((n, d_out), np.float32)
+        if dtype == "bfloat16":
+            xb, yb = _rows._half_narrow(x, "bfloat16"), _rows._half_narrow(y, "bfloat16")
+            self.call = lambda: _rows._apply_lora_bits(hook, 0, "q_proj", xb, yb, d_in, d_out, True)
+        elif dtype == "float16":
+            xh, yh = x.astype(np.float16), y.astype(np.float16)
+            self.call = lambda: apply_lora_rows(hook, 0, "q_proj", xh, yh, d_in, d_out)
+        else:
+            if dtype == "float16_adapter":
+                hook = hook.astype(np.float16)
+            self.call = lambda: apply_lora_rows(hook, 0, "q_proj", x, y, d_in, d_out)
+
+    def time_apply(self, rows_shape, dtype):
+        self.call()
