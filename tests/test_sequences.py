@@ -4,10 +4,9 @@ Every result is checked row by row against a float64 numpy reference of the
 adapter its sequence selected; rows without an adapter, or at scale zero, must
 be bit-identical.
 """
-import threading
-
 import numpy as np
 import pytest
+from threaded import run_in_threads
 
 from lorahook import AdapterSet, BoundSequences, LoraAdapter, LoraLayer, apply_lora_rows
 
@@ -161,23 +160,14 @@ def test_width_mismatch_names_the_adapter(adapters):
 def test_threads_applying_one_hook_with_different_row_counts(adapters):
     names = ["a", "b", None, "c"]
     hook = adapters.bind_sequences(names)
-    errors = []
 
     def worker(seed):
         rng = np.random.default_rng(seed)
-        try:
-            for _ in range(40):
-                n = 4 * int(rng.integers(1, 40))
-                x = rng.standard_normal((n, D_IN)).astype(np.float32)
-                y = np.zeros((n, D_OUT), np.float32)
-                apply_lora_rows(hook, *KEY, x, y, D_IN, D_OUT)
-                _check(y, _reference(adapters, names, [1.0] * 4, x, np.zeros((n, D_OUT))))
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for _ in range(40):
+            n = 4 * int(rng.integers(1, 40))
+            x = rng.standard_normal((n, D_IN)).astype(np.float32)
+            y = np.zeros((n, D_OUT), np.float32)
+            apply_lora_rows(hook, *KEY, x, y, D_IN, D_OUT)
+            _check(y, _reference(adapters, names, [1.0] * 4, x, np.zeros((n, D_OUT))))
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(worker, [(seed,) for seed in range(4)])

@@ -71,3 +71,4 @@ def minilm():
     transformers = pytest.importorskip("transformers")
     base = transformers.AutoModel.from_pretrained(str(minilm_path()), local_files_only=True).float().eval()
     return lambda: copy.deepcopy(base)
+

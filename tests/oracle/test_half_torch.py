@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import lorahook  # noqa: E402
+from small_models import small_qwen35_model  # noqa: E402
 from lorahook.torch import attach  # noqa: E402
 
 pytestmark = pytest.mark.oracle
@@ -85,15 +86,7 @@ def test_a_half_adapter_on_a_bfloat16_linear():
 
 def test_bfloat16_generate_with_sequences_matches_peft(tmp_path):
     peft = pytest.importorskip("peft")
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=128,
-        layer_types=["linear_attention", "linear_attention", "linear_attention",
-                     "full_attention"])
-    torch.manual_seed(0)
-    base32 = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
+    base32, _ = small_qwen35_model()
     for i, name in enumerate(("a", "b")):
         torch.manual_seed(30 + i)
         model = peft.get_peft_model(copy.deepcopy(base32), peft.LoraConfig(

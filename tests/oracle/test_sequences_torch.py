@@ -19,7 +19,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import lorahook  # noqa: E402
+from small_models import small_qwen35_model  # noqa: E402
 from lorahook.torch import attach  # noqa: E402
+from threaded import run_in_threads  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -39,15 +41,7 @@ PEFT_NAMES = ["a", "b", "__base__", "c"]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256,
-        layer_types=["linear_attention", "linear_attention", "linear_attention",
-                     "full_attention"])
-    torch.manual_seed(0)
-    base = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
+    base, _ = small_qwen35_model()
     pristine = copy.deepcopy(base)
     root = tmp_path_factory.mktemp("adapters")
     for i, (name, config) in enumerate(CONFIGS.items()):
@@ -204,22 +198,14 @@ def test_two_threads_with_different_selections_each_get_their_own(setup):
         for names in choices:
             with attached.sequences(names):
                 expected.append(base(**kw).logits)
-    results, errors = {}, []
+    results = {}
 
     def worker(i):
-        try:
-            with torch.inference_mode(), attached.sequences(choices[i]):
-                for _ in range(5):
-                    results.setdefault(i, []).append(base(**kw).logits)
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        with torch.inference_mode(), attached.sequences(choices[i]):
+            for _ in range(5):
+                results.setdefault(i, []).append(base(**kw).logits)
 
-    workers = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    assert not errors, errors
+    run_in_threads(worker, [(0,), (1,)])
     for i in range(2):
         assert all(torch.equal(r, expected[i]) for r in results[i])
 

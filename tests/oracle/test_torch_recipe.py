@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import lorahook  # noqa: E402
+from small_models import small_qwen35_model  # noqa: E402
 from lorahook.torch import attach, default_mapping, token_rows  # noqa: E402
 
 pytestmark = pytest.mark.oracle
@@ -76,16 +77,7 @@ def minilm():
 
 @pytest.fixture(scope="module")
 def tiny_qwen():
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256,
-        layer_types=["linear_attention", "linear_attention", "linear_attention",
-                     "full_attention"])
-    torch.manual_seed(0)
-    model = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
-    return model, cfg
+    return small_qwen35_model()
 
 
 def test_default_mapping():
