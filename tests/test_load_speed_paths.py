@@ -318,3 +318,18 @@ def test_adopt_refuses_what_a_layer_refuses(case, error, match):
         scale = float("nan")
     with pytest.raises(error, match=match):
         LoraLayer._adopt(a, bt, scale, bias)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rank_0_layers_beside_others_in_a_bare_file(tmp_path, dtype):
+    from safetensors.numpy import save_file
+    f = tmp_path / "bare.safetensors"
+    save_file({f"{PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((0, 8), dtype),
+               f"{PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((4, 0), dtype),
+               f"{PREFIX}model.layers.1.self_attn.q_proj.lora_A.weight": np.full((2, 8), 0.5, dtype),
+               f"{PREFIX}model.layers.1.self_attn.q_proj.lora_B.weight": np.arange(8, dtype=dtype).reshape(4, 2)},
+              str(f))
+    adapter = LoraAdapter.from_safetensors(f)
+    assert adapter.layers[(0, "q_proj")].rank == 0 and adapter.layers[(0, "q_proj")].b.shape == (4, 0)
+    np.testing.assert_array_equal(adapter.layers[(1, "q_proj")].b, np.arange(8).reshape(4, 2))
+    assert adapter.nbytes == 4 * (2 * 8 + 4 * 2)

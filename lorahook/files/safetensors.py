@@ -3,7 +3,17 @@
 The JSON header is parsed and every tensor's byte span (``dtype size * prod(shape)``),
 overlaps and gaps are checked against the file size before any tensor is read, so no
 allocation follows from sizes the file cannot back. Pickle files are never opened. F32,
-F16 and BF16 tensors are widened to float32.
+F16 and BF16 tensors are widened to float32 by :func:`read_float32`: one buffer per read,
+each value copied once from the file into it (transposed on request), read with the open
+file rather than a memory map, so that a file truncated during a read is an error and not
+a crash.
+
+The ``safetensors`` package checks headers as strictly (it refuses every hostile header of
+the test suite except zero-sized tensors with dimensions beyond 2**31 - 1), but its readers
+copy each tensor into an array of its own in the file's layout: one more copy and transpose
+for ``lora_B``, and one allocation per tensor, which costs several times the file read on
+its own when the allocator has to fault in fresh pages. The offsets needed to read straight
+into place are not exposed by ``safe_open``, so the header is parsed here.
 """
 
 from __future__ import annotations
@@ -193,27 +203,36 @@ def _half_trick_exact() -> bool:
     return bool((_DENORMAL_PROBE * _HALF_SCALE)[0] != 0)
 
 
-def _widen_half(src: np.ndarray, dst: np.ndarray, exact_trick: bool) -> None:
-    """``dst[...] = src`` for F16 bits ``src`` (int16 view), any strides, ``dst`` float32."""
+def _widen_half(src: np.ndarray, dst: np.ndarray, exact_trick: bool) -> bool:
+    """``dst[...] = src`` for F16 bits ``src`` (int16 view), any strides, ``dst`` float32.
+
+    Returns whether ``dst`` is known to be finite (checked on the way).
+    """
     if not exact_trick:
         np.copyto(dst, src.view("<f2"))
-        return
+        return False
     bits = dst.view(np.int32)
     np.left_shift(src, 13, out=bits, dtype=np.int32)
     np.bitwise_and(bits, _HALF_MASK, out=bits)
     np.multiply(dst, _HALF_SCALE, out=dst)
     if dst.size and not (dst.max() < _HALF_LIMIT and dst.min() > -_HALF_LIMIT):
         np.copyto(dst, src.view("<f2"))  # the true inf / nan, for the finiteness check
+        return False
+    return True
 
 
-def _convert(src: np.ndarray, dst: np.ndarray, dtype: str, exact_trick: bool) -> None:
-    """Copy file elements ``src`` (raw bytes viewed with the file's element size) into float32 ``dst``."""
+def _convert(src: np.ndarray, dst: np.ndarray, dtype: str, exact_trick: bool) -> bool:
+    """Copy file elements ``src`` (raw bytes viewed with the file's element size) into float32 ``dst``.
+
+    Returns whether ``dst`` is known to be finite (only F16 is checked on the way).
+    """
     if dtype == "F32":
         np.copyto(dst, src.view("<f4"))
     elif dtype == "F16":
-        _widen_half(src.view("<i2"), dst, exact_trick)
+        return _widen_half(src.view("<i2"), dst, exact_trick)
     else:  # BF16 is the upper half of an IEEE float32.
         np.left_shift(src.view("<u2"), 16, out=dst.view(np.uint32), dtype=np.uint32)
+    return False
 
 
 def read_float32(
@@ -350,12 +369,15 @@ class _Reader:
         """Tensors that follow each other in the file (and in the buffer): one read, one check."""
         self._fill([out[name] if raw is None else raw for name, _, _, raw in run],
                    data_start + run[0][1]["data_offsets"][0])
+        known_finite = True
         for name, info, flip, raw in run:
             if raw is not None:  # through the bounce buffer
                 rows = info["shape"][0] if info["shape"] else 1
-                self._convert_rows(raw, info, out[name], flip, 0, rows)
+                known_finite &= self._convert_rows(raw, info, out[name], flip, 0, rows)
+            else:
+                known_finite = False
         self.bounce_used = 0
-        if finite:
+        if finite and not known_finite:
             # The run's arrays are adjacent in the buffer: check them in one pass, then find
             # the culprits only if something is not finite.
             begin, stop = self.spans[run[0][0]][0], self.spans[run[-1][0]][1]
@@ -372,12 +394,13 @@ class _Reader:
         if self.bounce.nbytes < row_bytes:
             self.bounce = np.empty(row_bytes, dtype=np.uint8)
         offset = data_start + info["data_offsets"][0]
+        known_finite = True
         for first in range(0, rows, step):
             n = min(step, rows - first)
             raw = self.bounce[: n * row_bytes]
             self._fill([raw], offset + first * row_bytes)
-            self._convert_rows(raw, info, dst, flip, first, n)
-        if finite:
+            known_finite &= self._convert_rows(raw, info, dst, flip, first, n)
+        if finite and not known_finite:
             self._check_finite(name, dst)
 
     def _check_finite(self, name, arr):
@@ -390,11 +413,10 @@ class _Reader:
         dtype = info["dtype"]
         src = raw.view(f"<u{_DTYPE_SIZES[dtype]}")
         if flip:
-            _convert(src.reshape(n, -1).T, dst[:, first:first + n], dtype, self.exact_half)
-        else:
-            flat = dst.reshape(-1)
-            per_row = flat.size // (info["shape"][0] if info["shape"] else 1) if flat.size else 0
-            _convert(src, flat[first * per_row:(first + n) * per_row], dtype, self.exact_half)
+            return _convert(src.reshape(n, -1).T, dst[:, first:first + n], dtype, self.exact_half)
+        flat = dst.reshape(-1)
+        per_row = flat.size // (info["shape"][0] if info["shape"] else 1) if flat.size else 0
+        return _convert(src, flat[first * per_row:(first + n) * per_row], dtype, self.exact_half)
 
 
 _HAVE_READV = hasattr(os, "readv")
