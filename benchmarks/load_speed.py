@@ -8,6 +8,10 @@ times, in turns within every repeat: ``np.fromfile`` of the float32 weights file
 ``from_peft`` of each directory. Prints medians and the ratios the project holds itself
 to: float32 load / float32 fromfile <= 2, float16 and bfloat16 load / float32 fromfile <= 3.
 
+The yardstick itself moves with the machine: ``np.fromfile`` allocates fresh memory, and how
+fast the kernel hands out (huge) pages differs between processes and with other load; compare
+ratios from one run only.
+
 ``--stages`` adds where a float32 load spends its time (header, PEFT names and config,
 tensor data, building the adapter) and, for comparison, reading every tensor through the
 ``safetensors`` package's own ``safe_open(..., framework="numpy")``.
@@ -111,7 +115,8 @@ def main(argv=None):
         base = float(np.median(times["fromfile"]))
         print(f"adapter: Qwen3.5-0.8B geometry, rank {args.rank}, {nbytes / 1e6:.1f} MB as float32; "
               f"medians of {args.repeats} repeats, warm page cache")
-        print(f"  np.fromfile(F32 file)          {base * 1e3:8.2f} ms")
+        q1, q3 = np.percentile(times["fromfile"], [25, 75])
+        print(f"  np.fromfile(F32 file)          {base * 1e3:8.2f} ms   (quartiles {q1 * 1e3:.2f} .. {q3 * 1e3:.2f} ms)")
         failed = []
         for dtype in STORE_DTYPES:
             med = float(np.median(times[dtype]))
