@@ -89,6 +89,40 @@ def _owned_float32(value, name, ndim, transpose=False):
     return out
 
 
+def _check_factor_shapes(a, bt):
+    if a.shape[0] != bt.shape[0]:
+        raise ValueError(
+            f"ranks disagree: a has shape {a.shape} (rank {a.shape[0]}), "
+            f"b has shape {bt.T.shape} (rank {bt.shape[0]})")
+    if a.shape[1] < 1 or bt.shape[1] < 1:
+        raise ValueError(
+            f"d_in and d_out must be >= 1, got a of shape {a.shape} and b of shape {bt.T.shape}")
+
+
+def _check_bias_shape(a, bt, bias):
+    if bias.shape[0] != bt.shape[1]:
+        raise ValueError(
+            f"bias must have shape ({bt.shape[1]},) to match b's d_out, got {bias.shape}")
+    if a.shape[0] == 0:
+        raise ValueError("a rank-0 layer cannot carry a bias")
+
+
+_FLOAT32 = np.dtype(np.float32)  # native byte order: equal to no other byte order
+
+
+def _adoptable(arr, name, ndim):
+    if type(arr) is not np.ndarray or arr.dtype != _FLOAT32:
+        raise TypeError(f"{name} must be a native float32 ndarray, got {type(arr).__name__} "
+                        f"{getattr(arr, 'dtype', '')}")
+    flags = arr.flags
+    if arr.ndim != ndim or not flags.c_contiguous or flags.writeable:
+        raise ValueError(f"{name} must be a read-only C-contiguous {ndim}-D array, got "
+                         f"{arr.ndim}-D with shape {arr.shape}, c_contiguous={flags.c_contiguous}, "
+                         f"writeable={flags.writeable}")
+    if max(arr.shape) > _INT_MAX:
+        raise ValueError(f"{name} dimensions must each be at most {_INT_MAX}, got {arr.shape}")
+
+
 class LoraLayer:
     """One projection's LoRA update: ``delta(x) = scale * (B @ (A @ x) + bias)``.
 
@@ -108,20 +142,10 @@ class LoraLayer:
         a = _owned_float32(a, "a", 2)
         b = _owned_float32(b, "b", 2, transpose=True)  # stored as B^T
         scale = _finite_scale(scale, "scale")
-        if a.shape[0] != b.shape[0]:
-            raise ValueError(
-                f"ranks disagree: a has shape {a.shape} (rank {a.shape[0]}), "
-                f"b has shape {b.T.shape} (rank {b.shape[0]})")
-        if a.shape[1] < 1 or b.shape[1] < 1:
-            raise ValueError(
-                f"d_in and d_out must be >= 1, got a of shape {a.shape} and b of shape {b.T.shape}")
+        _check_factor_shapes(a, b)
         if bias is not None:
             bias = _owned_float32(bias, "bias", 1)
-            if bias.shape[0] != b.shape[1]:
-                raise ValueError(
-                    f"bias must have shape ({b.shape[1]},) to match b's d_out, got {bias.shape}")
-            if a.shape[0] == 0:
-                raise ValueError("a rank-0 layer cannot carry a bias")
+            _check_bias_shape(a, b, bias)
         self._init(a, b, scale, bias)
 
     def _init(self, a, bt, scale, bias):
@@ -135,6 +159,26 @@ class LoraLayer:
             kernel = _rows.LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale, bias,
                                        weights=a.dtype.name)
         object.__setattr__(self, "_kernel", kernel)
+
+    @classmethod
+    def _adopt(cls, a, bt, scale, bias=None):
+        """A layer that keeps ``a``, ``bt`` (``B^T``, ``(rank, d_out)``) and ``bias`` as they are.
+
+        For arrays a file reader has just made for this layer alone: native float32,
+        C-contiguous, read-only, and already checked finite (in the copy that made them).
+        Shapes, ranks and the scale are checked as :class:`LoraLayer` checks them; nothing
+        is copied.
+        """
+        _adoptable(a, "a", 2)
+        _adoptable(bt, "b^T", 2)
+        scale = _finite_scale(scale, "scale")
+        _check_factor_shapes(a, bt)
+        if bias is not None:
+            _adoptable(bias, "bias", 1)
+            _check_bias_shape(a, bt, bias)
+        self = cls.__new__(cls)
+        self._init(a, bt, scale, bias)
+        return self
 
     @classmethod
     def _trusted(cls, a, bt, scale, bias):
@@ -461,7 +505,8 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
         layers = {}
         for key, item in data.layers.items():
             try:
-                layers[key] = LoraLayer(item.a, item.b, scale=item.scale, bias=item.bias)
+                # The reader's arrays are fresh, read-only and finite: kept without a copy.
+                layers[key] = LoraLayer._adopt(item.a, item.b.T, item.scale, item.bias)
             except (ValueError, TypeError, OverflowError) as exc:
                 raise LoraFormatError(f"{data.source}: module {item.path!r}: {exc}") from None
         return cls(layers, name=data.name, metadata=data.metadata, module_paths=data.module_paths)

@@ -166,6 +166,8 @@ class PeftLoraConfig:
         self.alpha_pattern = self._pattern(raw, "alpha_pattern", integer=False)
 
         self.target_modules = self._strings(raw, "target_modules")
+        # exact paths are looked up once per module: a set, for adapters with hundreds of them
+        self._target_set = frozenset(self.target_modules) if isinstance(self.target_modules, list) else frozenset()
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
             self._compile(self.target_modules, f"target_modules={short(self.target_modules)}")
         self.exclude_modules = self._strings(raw, "exclude_modules")
@@ -238,7 +240,7 @@ class PeftLoraConfig:
             return None
         if isinstance(tm, str):
             return None if re.fullmatch(tm, path) else f"target_modules={tm!r} does not match it"
-        if path in tm:
+        if path in self._target_set:
             return None
         if not any(path.endswith("." + t) for t in tm):
             return f"target_modules={tm!r} does not select it"

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import LoraFormatError
 from ..models import PEFT_PREFIX, module_key
 from .peft_config import CONFIG_NAME, PeftLoraConfig, check_scale, finite_number
-from .safetensors import read_safetensors, read_safetensors_header, short
+from .safetensors import read_float32, read_safetensors_header, short
 
 __all__ = ["read_peft", "read_safetensors_adapter", "AdapterData", "LayerData",
            "WEIGHTS_NAME", "PICKLE_NAMES"]
@@ -38,7 +38,11 @@ PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "p
 
 class LayerData(NamedTuple):
     """One projection's update as read: ``a`` ``(rank, d_in)``, ``b`` ``(d_out, rank)``,
-    ``bias`` ``(d_out,)`` or ``None`` (float32 arrays), the scale, and the module path."""
+    ``bias`` ``(d_out,)`` or ``None``, the scale, and the module path.
+
+    The arrays are read-only float32 views of one buffer made by the read, holding finite values:
+    ``a`` and ``bias`` C-contiguous, ``b`` the transpose of a C-contiguous ``B^T`` ``(rank, d_out)``
+    (so ``b.T`` is the layout the kernels keep)."""
 
     a: np.ndarray
     b: np.ndarray
@@ -91,6 +95,7 @@ def _parse_tensors(
 ) -> Dict[Tuple[int, str], dict]:
     """Group tensor names into per-projection entries ``{key: {"path", "A", "B", "bias"}}``."""
     entries: Dict[Tuple[int, str], dict] = {}
+    keys: Dict[str, Tuple[int, str]] = {}  # lora_A and lora_B of a module share its path
     for name in sorted(file_tensors):
         m = _FACTOR_RE.match(name)
         if m is None:
@@ -102,10 +107,12 @@ def _parse_tensors(
             path = path[len(PEFT_PREFIX):]
         if kind == "lora_A" and param == "bias":
             raise LoraFormatError(f"{where}: tensor {name!r}: lora_A has no bias in PEFT's LoRA")
-        try:
-            key = module_key(path)
-        except LoraFormatError as exc:
-            raise LoraFormatError(f"{where}: tensor {name!r}: {exc}") from None
+        key = keys.get(path)
+        if key is None:
+            try:
+                key = keys[path] = module_key(path)
+            except LoraFormatError as exc:
+                raise LoraFormatError(f"{where}: tensor {name!r}: {exc}") from None
         entry = entries.setdefault(key, {"path": path, "adapter": adapter_name})
         if entry["path"] != path or entry["adapter"] != adapter_name:
             first = entry["path"] + (f" (adapter {entry['adapter']!r})" if entry["adapter"] else "")
@@ -157,20 +164,22 @@ def _collect(
     name: Optional[str],
     metadata: Dict[str, str],
 ) -> AdapterData:
-    """Read the tensors of ``entries`` (with the already parsed ``header``) into plain data."""
-    wanted = [n for e in entries.values() for n in (e["A"], e["B"], e.get("bias")) if n is not None]
-    arrays, _ = read_safetensors(weights_path, wanted, header)
-    for n in wanted:
-        if not np.isfinite(arrays[n]).all():
-            bad = int((~np.isfinite(arrays[n])).sum())
-            raise LoraFormatError(f"{weights_path}: tensor {n!r} has {bad} non-finite value(s)")
+    """Read the tensors of ``entries`` (with the already parsed ``header``) into plain data.
+
+    One read (:func:`read_float32`): every value is copied once from the file into the array a
+    layer keeps, ``lora_B`` transposed on the way (the ``B^T`` layout the kernels use), and
+    refused if it is not finite.
+    """
     if not entries:
         raise LoraFormatError(f"{weights_path}: holds no LoRA weights")
+    wanted = [n for e in entries.values() for n in (e["A"], e["B"], e.get("bias")) if n is not None]
+    arrays, _ = read_float32(weights_path, wanted, transposed=[e["B"] for e in entries.values()],
+                             header=header, finite=True)
     layers = {}
     for key in sorted(entries):
         e = entries[key]
         bias = arrays[e["bias"]] if "bias" in e else None
-        layers[key] = LayerData(arrays[e["A"]], arrays[e["B"]], scales[key], bias, e["path"])
+        layers[key] = LayerData(arrays[e["A"]], arrays[e["B"]].T, scales[key], bias, e["path"])
     return AdapterData(layers, name=name, metadata=metadata, source=str(weights_path))
 
 

@@ -1,0 +1,335 @@
+"""How adapters are read from files: one copy per value, into one buffer per load.
+
+What a loaded adapter keeps is compared with an independent read of the file's bytes (numpy on
+the raw data section); the arrays are read-only views of one buffer that holds exactly
+``nbytes``, made by that load and by nothing else; F16 is widened exactly for every one of the
+65536 half bit patterns; the paths for tensors larger than the bounce buffer, for runs that are
+split, and for a file that shrinks during a read are exercised with small limits.
+"""
+import json
+import pickle
+import struct
+import tracemalloc
+
+import numpy as np
+import pytest
+
+safetensors = pytest.importorskip("safetensors")
+
+from lorahook import LoraAdapter, LoraFormatError, LoraLayer  # noqa: E402
+from lorahook.files import safetensors as st_reader  # noqa: E402
+from lorahook.files.safetensors import read_float32, read_safetensors_header  # noqa: E402
+
+PREFIX = "base_model.model."
+# (module path, d_in, d_out, rank): square B (in_proj_a: 16 x 16 at rank 16), wide, tall
+MODULES = [
+    ("model.layers.0.linear_attn.in_proj_a", 64, 16, 16),
+    ("model.layers.0.linear_attn.in_proj_qkv", 64, 160, 8),
+    ("model.layers.0.mlp.down_proj", 96, 64, 4),
+    ("model.layers.3.self_attn.q_proj", 64, 128, 8),
+    ("model.layers.3.self_attn.v_proj", 64, 32, 1),
+]
+NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _bits(values, dtype):
+    """float32 values as the raw little-endian bytes of ``dtype``."""
+    if dtype == "F32":
+        return values.astype("<f4")
+    if dtype == "F16":
+        return values.astype("<f2")
+    return (values.astype("<f4").view("<u4") >> 16).astype("<u2")  # truncation: exact bf16 values
+
+
+def write_adapter(directory, dtype="F32", bias=False, seed=0, modules=MODULES):
+    """A PEFT directory with factors of ``modules`` in ``dtype``; returns the raw tensors written."""
+    rng = np.random.default_rng(seed)
+    raw = {}
+    for path, d_in, d_out, rank in modules:
+        raw[f"{PREFIX}{path}.lora_A.weight"] = _bits(rng.standard_normal((rank, d_in)), dtype)
+        raw[f"{PREFIX}{path}.lora_B.weight"] = _bits(rng.standard_normal((d_out, rank)), dtype)
+        if bias:
+            raw[f"{PREFIX}{path}.lora_B.bias"] = _bits(rng.standard_normal(d_out), dtype)
+    directory.mkdir(parents=True, exist_ok=True)
+    specs = {k: safetensors.TensorSpec(dtype=NAMES[dtype], shape=list(v.shape), data_ptr=v.ctypes.data,
+                                       data_len=v.nbytes)
+             for k, v in raw.items()}
+    safetensors.serialize_file(specs, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    ranks = {path: rank for path, _, _, rank in modules}
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": [p for p, *_ in modules],
+              "rank_pattern": {f"^{p}$": r for p, r in ranks.items() if r != 8}, "lora_bias": bias}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return raw
+
+
+def independent_read(path):
+    """Every tensor of a safetensors file as float32, from its bytes with nothing of lorahook."""
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    header.pop("__metadata__", None)
+    out = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        data = blob[8 + n + begin:8 + n + end]
+        if info["dtype"] == "F32":
+            arr = np.frombuffer(data, "<f4").astype(np.float64)
+        elif info["dtype"] == "F16":
+            arr = np.frombuffer(data, "<f2").astype(np.float64)
+        else:
+            arr = (np.frombuffer(data, "<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        out[name] = arr.reshape(info["shape"])
+    return out
+
+
+def kept_arrays(adapter):
+    return [arr for layer in adapter.layers.values() for arr in layer._arrays()]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_values_equal_an_independent_read(tmp_path, dtype, bias):
+    write_adapter(tmp_path / "ad", dtype, bias=bias)
+    truth = independent_read(tmp_path / "ad" / "adapter_model.safetensors")
+    adapter = LoraAdapter.from_peft(tmp_path / "ad")
+    assert adapter.num_adapted_layers == len(MODULES)
+    for key, layer in adapter.layers.items():
+        path = adapter.module_paths[key]
+        a, b = truth[f"{PREFIX}{path}.lora_A.weight"], truth[f"{PREFIX}{path}.lora_B.weight"]
+        np.testing.assert_array_equal(layer.a, a)
+        np.testing.assert_array_equal(layer.b, b)
+        np.testing.assert_array_equal(layer._bt, b.T)
+        if bias and layer.rank:
+            np.testing.assert_array_equal(layer.bias, truth[f"{PREFIX}{path}.lora_B.bias"])
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_one_buffer_per_load_holding_exactly_nbytes(tmp_path, dtype):
+    write_adapter(tmp_path / "ad", dtype, bias=True)
+    adapter = LoraAdapter.from_peft(tmp_path / "ad")
+    arrays = kept_arrays(adapter)
+    owners = {id(arr.base) for arr in arrays}
+    assert len(owners) == 1, "every array a loaded adapter keeps is a view of one buffer"
+    owner = arrays[0].base
+    assert owner.base is None and owner.flags.owndata and owner.dtype == np.float32
+    # the buffer holds the kept arrays and nothing else, without overlaps
+    assert owner.nbytes == adapter.nbytes == sum(arr.nbytes for arr in arrays)
+    spans = sorted((arr.ctypes.data, arr.ctypes.data + arr.nbytes) for arr in arrays if arr.size)
+    assert all(end <= begin for (_, end), (begin, _) in zip(spans, spans[1:]))
+    for arr in arrays + [owner]:
+        assert arr.dtype == np.float32 and arr.flags.c_contiguous and not arr.flags.writeable
+    for arr in arrays:
+        with pytest.raises(ValueError):
+            arr.flags.writeable = True
+    # another load makes another buffer
+    again = LoraAdapter.from_peft(tmp_path / "ad")
+    assert not np.shares_memory(owner, kept_arrays(again)[0].base)
+
+
+def test_loaded_arrays_do_not_alias_the_file(tmp_path):
+    write_adapter(tmp_path / "ad")
+    weights = tmp_path / "ad" / "adapter_model.safetensors"
+    adapter = LoraAdapter.from_peft(tmp_path / "ad")
+    before = [arr.copy() for arr in kept_arrays(adapter)]
+    weights.write_bytes(b"\xff" * weights.stat().st_size)  # same size, every value a NaN
+    weights.unlink()
+    for arr, old in zip(kept_arrays(adapter), before):
+        np.testing.assert_array_equal(arr, old)
+
+
+def test_load_allocates_little_beyond_what_it_keeps(tmp_path):
+    modules = [(f"model.layers.{i}.mlp.down_proj", 512, 256, 16) for i in range(8)]
+    for dtype in ("F32", "BF16"):
+        write_adapter(tmp_path / dtype, dtype, modules=modules)
+        LoraAdapter.from_peft(tmp_path / dtype)  # imports and caches outside the measurement
+        tracemalloc.start()
+        try:
+            adapter = LoraAdapter.from_peft(tmp_path / dtype)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        # the buffer itself, a bounce buffer of a few hundred KiB and small objects
+        assert peak <= 1.1 * adapter.nbytes + 1024 * 1024, (dtype, peak, adapter.nbytes)
+
+
+def test_loaded_adapter_pickles_read_only(tmp_path):
+    write_adapter(tmp_path / "ad", "BF16", bias=True)
+    adapter = LoraAdapter.from_peft(tmp_path / "ad")
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        back = pickle.loads(pickle.dumps(adapter, protocol=protocol))
+        for arr, old in zip(kept_arrays(back), kept_arrays(adapter)):
+            np.testing.assert_array_equal(arr, old)
+            assert not arr.flags.writeable
+
+
+# --------------------------------------------------------------------------- F16 and BF16 widening
+
+ALL_HALVES = np.arange(65536, dtype=np.uint16)
+
+
+@pytest.mark.parametrize("exact_trick", [True, False])
+def test_f16_widening_is_exact_for_every_half(exact_trick):
+    expected = ALL_HALVES.view(np.float16).astype(np.float32)
+    got = np.empty(65536, np.float32)
+    st_reader._widen_half(ALL_HALVES.view("<i2"), got, exact_trick)
+    finite = np.isfinite(expected)
+    assert finite.sum() == 65536 - 2 * 1024  # exponent all ones: +-inf and the NaNs
+    np.testing.assert_array_equal(got[finite].view(np.uint32), expected[finite].view(np.uint32))
+    # non-finite halves stay non-finite, so that the load refuses them
+    assert not np.isfinite(got[~finite]).any()
+
+
+def test_f16_widening_transposed_and_strided():
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 65536, size=(300, 24), dtype=np.uint16)
+    bits[(bits & 0x7C00) == 0x7C00] = 0x3C00  # finite only
+    dst = np.empty((24, 300), np.float32)
+    st_reader._widen_half(bits.view("<i2").T, dst, True)
+    np.testing.assert_array_equal(dst, bits.view(np.float16).astype(np.float32).T)
+
+
+def test_every_finite_half_loads_exactly(tmp_path):
+    halves = ALL_HALVES[np.isfinite(ALL_HALVES.view(np.float16))]  # 63488: +-0, subnormals, normals
+    a_name = f"{PREFIX}model.layers.0.mlp.down_proj.lora_A.weight"
+    b_name = f"{PREFIX}model.layers.0.mlp.down_proj.lora_B.weight"
+    tensors = {a_name: halves.reshape(16, 3968), b_name: halves[::-1][: 1024 * 16].reshape(1024, 16).copy()}
+    d = tmp_path / "ad"
+    d.mkdir()
+    specs = {k: safetensors.TensorSpec(dtype="float16", shape=list(v.shape), data_ptr=v.ctypes.data,
+                                       data_len=v.nbytes) for k, v in tensors.items()}
+    safetensors.serialize_file(specs, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 16, "lora_alpha": 16, "target_modules": ["down_proj"]}))
+    layer = LoraAdapter.from_peft(d).layers[(0, "down_proj")]
+    for got, bits in ((layer.a, tensors[a_name]), (layer.b, tensors[b_name])):
+        np.testing.assert_array_equal(got.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+@pytest.mark.parametrize("which", ["lora_A", "lora_B"])
+def test_non_finite_half_is_refused_by_name(tmp_path, dtype, which):
+    write_adapter(tmp_path / "ad", dtype)
+    weights = tmp_path / "ad" / "adapter_model.safetensors"
+    tensors, _, start, _ = read_safetensors_header(weights)
+    name = f"{PREFIX}model.layers.3.self_attn.q_proj.{which}.weight"
+    blob = bytearray(weights.read_bytes())
+    at = start + tensors[name]["data_offsets"][0] + 2 * 5
+    blob[at:at + 2] = struct.pack("<H", 0x7C00 if dtype == "F16" else 0x7F80)  # +inf
+    weights.write_bytes(bytes(blob))
+    with pytest.raises(LoraFormatError, match=rf"tensor '{name}' has 1 non-finite value\(s\)"):
+        LoraAdapter.from_peft(tmp_path / "ad")
+
+
+# --------------------------------------------------------------------------- the read's own paths
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_small_bounce_and_runs_give_the_same_values(tmp_path, monkeypatch, dtype):
+    write_adapter(tmp_path / "ad", dtype, bias=True)
+    expected = LoraAdapter.from_peft(tmp_path / "ad")
+    # tensors larger than the bounce buffer go row by row; runs split after 3 tensors or 1 KiB
+    monkeypatch.setattr(st_reader, "_SCRATCH_BYTES", 200)
+    monkeypatch.setattr(st_reader, "_MAX_RUN", 3)
+    monkeypatch.setattr(st_reader, "_RUN_BYTES", 1024)
+    got = LoraAdapter.from_peft(tmp_path / "ad")
+    for old, new in zip(kept_arrays(expected), kept_arrays(got)):
+        np.testing.assert_array_equal(old, new)
+
+
+def test_read_float32_transposes_and_keeps_order(tmp_path):
+    write_adapter(tmp_path / "ad", "F32")
+    weights = tmp_path / "ad" / "adapter_model.safetensors"
+    truth = independent_read(weights)
+    names = sorted(truth, reverse=True)
+    flip = [n for n in names if ".lora_B." in n]
+    arrays, meta = read_float32(weights, names, transposed=flip, finite=True)
+    assert list(arrays) == names and meta == {"format": "pt"}
+    for name in names:
+        want = truth[name].T if name in flip else truth[name]
+        assert arrays[name].shape == want.shape and arrays[name].flags.c_contiguous
+        np.testing.assert_array_equal(arrays[name], want)
+
+
+def test_read_float32_refuses_transposing_a_1d_tensor(tmp_path):
+    write_adapter(tmp_path / "ad", "F32", bias=True)
+    weights = tmp_path / "ad" / "adapter_model.safetensors"
+    name = f"{PREFIX}model.layers.3.self_attn.q_proj.lora_B.bias"
+    with pytest.raises(LoraFormatError, match="must be 2-D"):
+        read_float32(weights, [name], transposed=[name])
+
+
+def test_file_shorter_than_its_header_during_the_read(tmp_path):
+    write_adapter(tmp_path / "ad", "F32")
+    weights = tmp_path / "ad" / "adapter_model.safetensors"
+    tensors, meta, start, size = read_safetensors_header(weights)
+    weights.write_bytes(weights.read_bytes()[:-100])
+    # a header that agrees with the new size: the shortfall shows only while reading
+    with pytest.raises(LoraFormatError, match="changed size while it was being read"):
+        read_float32(weights, header=(tensors, meta, start, size - 100))
+
+
+# --------------------------------------------------------------------------- LoraLayer._adopt
+
+def _fresh(shape):
+    arr = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    arr.flags.writeable = False
+    return arr
+
+
+def test_adopt_keeps_the_arrays_without_a_copy():
+    a, bt, bias = _fresh((4, 8)), _fresh((4, 6)), _fresh((6,))
+    layer = LoraLayer._adopt(a, bt, 0.5, bias)
+    assert layer.a is a and layer._bt is bt and layer.bias is bias
+    assert layer.b.shape == (6, 4) and np.shares_memory(layer.b, bt)
+    assert (layer.rank, layer.d_in, layer.d_out, layer.scale) == (4, 8, 6, 0.5)
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("writable", ValueError, "read-only"),
+    ("float64", TypeError, "float32"),
+    ("big_endian", TypeError, "float32"),
+    ("not_contiguous", ValueError, "C-contiguous"),
+    ("1d", ValueError, "2-D"),
+    ("ranks", ValueError, "ranks disagree"),
+    ("d_out_0", ValueError, "d_in and d_out must be >= 1"),
+    ("bias_length", ValueError, r"bias must have shape \(6,\)"),
+    ("scale", ValueError, "finite"),
+])
+def test_adopt_refuses_what_a_layer_refuses(case, error, match):
+    a, bt, bias, scale = _fresh((4, 8)), _fresh((4, 6)), None, 1.0
+    if case == "writable":
+        bt = bt.copy()
+    elif case == "float64":
+        a = a.astype(np.float64)
+        a.flags.writeable = False
+    elif case == "big_endian":
+        a = a.astype(">f4")
+        a.flags.writeable = False
+    elif case == "not_contiguous":
+        bt = _fresh((6, 4)).T
+    elif case == "1d":
+        a = _fresh((32,))
+    elif case == "ranks":
+        bt = _fresh((3, 6))
+    elif case == "d_out_0":
+        bt = _fresh((4, 0))
+    elif case == "bias_length":
+        bias = _fresh((5,))
+    elif case == "scale":
+        scale = float("nan")
+    with pytest.raises(error, match=match):
+        LoraLayer._adopt(a, bt, scale, bias)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rank_0_layers_beside_others_in_a_bare_file(tmp_path, dtype):
+    from safetensors.numpy import save_file
+    f = tmp_path / "bare.safetensors"
+    save_file({f"{PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((0, 8), dtype),
+               f"{PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((4, 0), dtype),
+               f"{PREFIX}model.layers.1.self_attn.q_proj.lora_A.weight": np.full((2, 8), 0.5, dtype),
+               f"{PREFIX}model.layers.1.self_attn.q_proj.lora_B.weight": np.arange(8, dtype=dtype).reshape(4, 2)},
+              str(f))
+    adapter = LoraAdapter.from_safetensors(f)
+    assert adapter.layers[(0, "q_proj")].rank == 0 and adapter.layers[(0, "q_proj")].b.shape == (4, 0)
+    np.testing.assert_array_equal(adapter.layers[(1, "q_proj")].b, np.arange(8).reshape(4, 2))
+    assert adapter.nbytes == 4 * (2 * 8 + 4 * 2)
