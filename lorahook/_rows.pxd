@@ -9,6 +9,7 @@ cdef struct Segment:
     const unsigned short *b16
     int wkind               # -1: float32 weights; else the _half.h kind of a16/b16
     const float *bias       # (d_out,) or NULL
+    const unsigned short *bias16   # the bias as 16-bit patterns (wkind >= 0), or NULL
     int rank
     float scale             # used when row_scales is NULL
     const int *rows         # row indices, ascending; NULL means rows 0..n_rows-1
@@ -22,6 +23,7 @@ cdef class LayerKernel:
     cdef const float[:, ::1] bt   # B^T, (rank, d_out) C-contiguous: the one layout of B
     cdef const unsigned short[:, ::1] a16   # a and bt as 16-bit patterns (half weights)
     cdef const unsigned short[:, ::1] bt16
+    cdef const unsigned short[::1] bias16
     cdef int wkind                 # -1: float32 weights; else the _half.h kind
     cdef const float[::1] bias
     cdef readonly int rank

@@ -385,13 +385,18 @@ cdef int _refuse_overlap(cnp.ndarray x, cnp.ndarray y) except -1:
 
 cdef Py_ssize_t _check_call(object input, object output, object input_row_width,
                             object output_row_width, Py_ssize_t *widths=NULL,
-                            int *kind=NULL, int bits=-1) except -1:
+                            int *kind=NULL, int bits=-1, object float32_only=None) except -1:
     """The spec's call checks in order; returns the row count.
 
     ``widths``, when given, receives ``(input_row_width, output_row_width)``
-    as checked ints; ``kind`` the row kind.
+    as checked ints; ``kind`` the row kind.  ``float32_only`` names a hook
+    that takes float32 rows only (a Python hook): half rows are then a
+    ``TypeError``, with the other type checks.
     """
     cdef int k = _check_types(input, output, bits)
+    if k != ROWS_F32 and float32_only is not None:
+        raise TypeError(f"{float32_only} is a Python hook (one apply() per row): it takes "
+                        f"float32 rows only, got {input.dtype} rows")
     if kind != NULL:
         kind[0] = k
     cdef cnp.ndarray x = <cnp.ndarray>input
@@ -453,14 +458,28 @@ cdef class KernelSource:
     cdef bint _exact          # ... or exactly _units rows
     cdef dict _resolved       # groups: key -> tuple of (label, kernel, s, units, scales)
     cdef dict _plans          # groups: rows per unit -> {key: GroupPlan}
+    cdef bint _filled         # set once: a source never changes afterwards
 
-    def _set_table(self, dict table not None, int mode, label=None):
-        """Make this a kernel table: ``table`` maps keys to LayerKernels (rank > 0)."""
+    cdef int _fill_once(self) except -1:
+        if self._filled:
+            raise TypeError(f"{type(self).__name__} is immutable: its kernels are set once, "
+                            f"when it is made")
+        self._filled = True
+        return 0
+
+    def _set_table(self, table, int mode, label=None):
+        """Make this a kernel table: ``table`` maps keys to LayerKernels (rank > 0).
+
+        The table is copied (the caller's dict may change afterwards); a source
+        is filled once.
+        """
+        table = dict(table)
         for key, kernel in table.items():
-            if not isinstance(kernel, LayerKernel) or (<LayerKernel>kernel).rank == 0:
+            if type(kernel) is not LayerKernel or (<LayerKernel>kernel).rank == 0:
                 raise TypeError(f"kernel for {key!r} must be a LayerKernel of rank > 0")
         if mode < MODE_KERNELS or mode > MODE_ROWS:
             raise ValueError(f"mode must be 0, 1 or 2, got {mode}")
+        self._fill_once()
         self._table = table
         self._mode = mode
         self._label = "" if label is None else str(label)
@@ -496,6 +515,7 @@ cdef class KernelSource:
                     raise ValueError(f"part {label!r}: {len(scales)} unit scales for {m} units")
                 groups[float(s)] = (float(scale), idx, scales)
             checked.append((str(label), source, groups))
+        self._fill_once()
         self._parts = tuple(checked)
         self._units = units
         self._exact = exact
@@ -541,7 +561,7 @@ cdef class KernelSource:
                 kernel = (<KernelSource>source)._table.get(key)
                 if kernel is None:
                     continue
-                group = (<dict>by_scale).get(<double>(<LayerKernel>kernel).scale)
+                group = (<dict>by_scale).get(<double>(<LayerKernel?>kernel).scale)
                 if group is not None:
                     items.append((label, kernel) + group)
             found = tuple(items)
@@ -568,7 +588,7 @@ cdef class KernelSource:
         if not groups:
             return None
         for label, kernel, _, _, _ in groups:
-            _check_kernel_widths(<LayerKernel>kernel, key, label, d_in, d_out)
+            _check_kernel_widths(<LayerKernel?>kernel, key, label, d_in, d_out)
         if n == 0:
             return None
         plan = GroupPlan([(kernel, scale, _expand_units(idx, per_unit),
@@ -675,7 +695,9 @@ cdef object _apply(hook, layer_idx, module, input, output, input_row_width, outp
     cdef Py_ssize_t widths[2]
     cdef int kind = ROWS_F32
     cdef Py_ssize_t n = _check_call(input, output, input_row_width, output_row_width, widths,
-                                    &kind, bits)
+                                    &kind, bits,
+                                    type(hook).__name__ if src is None or mode == MODE_ROWS
+                                    else None)
     cdef Py_ssize_t per_unit = 0
     if src is not None and src._grouped:
         per_unit = src._check_rows(n)
@@ -685,9 +707,6 @@ cdef object _apply(hook, layer_idx, module, input, output, input_row_width, outp
         raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
     if type(module) is not str:
         raise TypeError(f"module must be a str, got {type(module).__name__}")
-    if kind != ROWS_F32 and (src is None or mode == MODE_ROWS):
-        raise TypeError(f"{type(hook).__name__} is a Python hook (one apply() per row): it "
-                        f"takes float32 rows only, got {input.dtype} rows")
     cdef tuple key
     cdef GroupPlan plan
     if mode != MODE_KERNELS:
@@ -698,7 +717,7 @@ cdef object _apply(hook, layer_idx, module, input, output, input_row_width, outp
         if src is not None and not src._grouped:
             found = src._table.get((layer_idx, module))
             if found is not None:
-                _check_kernel_widths(<LayerKernel>found, (layer_idx, module), src._label,
+                _check_kernel_widths(<LayerKernel?>found, (layer_idx, module), src._label,
                                      widths[0], widths[1])
         if n:
             _apply_each_row(hook, layer_idx, module, <cnp.ndarray>input, <cnp.ndarray>output,
@@ -709,9 +728,9 @@ cdef object _apply(hook, layer_idx, module, input, output, input_row_width, outp
         found = src._table.get(key)
         if found is None:
             return
-        _check_kernel_widths(<LayerKernel>found, key, src._label, widths[0], widths[1])
+        _check_kernel_widths(<LayerKernel?>found, key, src._label, widths[0], widths[1])
         if n:
-            _run_layer(<LayerKernel>found, <cnp.ndarray>input, <cnp.ndarray>output, n, kind)
+            _run_layer(<LayerKernel?>found, <cnp.ndarray>input, <cnp.ndarray>output, n, kind)
         return
     plan = src._plan(key, n, per_unit, <int>widths[0], <int>widths[1])
     if plan is not None:
@@ -730,8 +749,8 @@ cdef class LayerKernel:
     ``a`` is ``(rank, d_in)``, ``bt`` is ``B^T``, ``(rank, d_out)``, ``bias``
     is ``(d_out,)`` or ``None``; all C-contiguous.  ``bias`` is float32; ``a``
     and ``bt`` are float32, or with ``weights="float16"`` / ``"bfloat16"``
-    uint16 arrays of those 16-bit patterns, widened to float32 in per-thread
-    scratch on every call.  The owning :class:`~lorahook.LoraLayer` validates
+    uint16 arrays of those 16-bit patterns (the bias too), widened to float32
+    in per-thread scratch on every call.  The owning :class:`~lorahook.LoraLayer` validates
     values; this class re-checks the shapes it relies on so that no kernel can
     read past an array.
     """
@@ -765,10 +784,15 @@ cdef class LayerKernel:
         self.has_bias = bias is not None
         if self.has_bias and rank == 0:
             raise ValueError("a rank-0 layer cannot carry a bias")
-        if self.has_bias:
+        cdef Py_ssize_t bias_len = 0
+        if self.has_bias and self.wkind < 0:
             self.bias = bias
-            if self.bias.shape[0] != d_out:
-                raise ValueError(f"bias must have shape ({d_out},), got ({self.bias.shape[0]},)")
+            bias_len = self.bias.shape[0]
+        elif self.has_bias:
+            self.bias16 = bias
+            bias_len = self.bias16.shape[0]
+        if self.has_bias and bias_len != d_out:
+            raise ValueError(f"bias must have shape ({d_out},), got ({bias_len},)")
 
     def __reduce__(self):
         raise TypeError("LayerKernel is rebuilt from its LoraLayer and does not pickle")
@@ -785,7 +809,8 @@ cdef class LayerKernel:
         elif self.rank > 0:
             s.a16 = &self.a16[0, 0]
             s.b16 = &self.bt16[0, 0]
-        s.bias = &self.bias[0] if self.has_bias else NULL
+        s.bias = &self.bias[0] if self.has_bias and self.wkind < 0 else NULL
+        s.bias16 = &self.bias16[0] if self.has_bias and self.wkind >= 0 else NULL
         s.rank = self.rank
         s.scale = self.scale
         s.rows = NULL
@@ -923,7 +948,7 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
     if s.rank == 0 or n == 0:
         return 0
     if s.wkind >= 0:
-        W = lorahook_scratch_slot(<size_t>s.rank * (<size_t>d_in + d_out), 2, &owned_w)
+        W = lorahook_scratch_slot(<size_t>s.rank * (<size_t>d_in + d_out) + d_out, 2, &owned_w)
         if W == NULL:
             return -1
         lorahook_half_widen(<const uint16_t *>s.a16, W, <size_t>s.rank * d_in, s.wkind)
@@ -931,6 +956,9 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
                             <size_t>s.rank * d_out, s.wkind)
         seg.a = W
         seg.b = W + <Py_ssize_t>s.rank * d_in
+        if s.bias16 != NULL:
+            seg.bias = W + <Py_ssize_t>s.rank * (d_in + d_out)
+            lorahook_half_widen(<const uint16_t *>s.bias16, <float *>seg.bias, d_out, s.wkind)
     if kind == ROWS_F32:
         rc = _run_segment(&seg, <const float *>X, <float *>Y, d_in, d_out, crossover)
     else:
@@ -977,7 +1005,8 @@ cdef inline cnp.ndarray _checked_rows_buffer(object arr, Py_ssize_t n, Py_ssize_
     _check_type(arr, name)
     cdef cnp.ndarray a = <cnp.ndarray>arr
     _check_layout(a, name, writable)
-    if n < 0 or width < 1 or cnp.PyArray_SIZE(a) % width != 0 or cnp.PyArray_SIZE(a) // width != n:
+    if (n < 0 or width < 1 or cnp.PyArray_SIZE(a) % width != 0 or cnp.PyArray_SIZE(a) // width != n
+            or (cnp.PyArray_NDIM(a) == 2 and cnp.PyArray_DIM(a, 1) != width)):
         raise ValueError(f"{name} must hold {n} rows of width {width}, got shape {_shape_str(a)}")
     return a
 
@@ -1015,17 +1044,20 @@ cdef int _run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.nd
     thread, so two updates of one row never race.
     """
     global _batched_seen
-    cdef const char *X = <const char *>cnp.PyArray_DATA(x)
-    cdef char *Y = <char *>cnp.PyArray_DATA(y)
     cdef Py_ssize_t g, crossover = _gemm_crossover
     cdef int rc = 0
     if not _batched_seen:
+        # the one-time BLAS check (a warning, lorahook.threads) runs before the
+        # buffers' addresses are taken; under -W error it refuses this call,
+        # with nothing written
         for g in range(ng):
             if segs[g].rank > 0 and segs[g].n_rows >= crossover:
                 _batched_seen = True
                 if _first_batched is not None:
                     _first_batched()
                 break
+    cdef const char *X = <const char *>cnp.PyArray_DATA(x)
+    cdef char *Y = <char *>cnp.PyArray_DATA(y)
     with nogil:
         for g in range(ng):
             rc = _run_segment_any(&segs[g], X, Y, d_in, d_out, crossover, kind)
@@ -1137,6 +1169,10 @@ cdef class GroupPlan:
         self._run(<cnp.ndarray>input, <cnp.ndarray>output, kind)
 
     cdef int _run(self, cnp.ndarray x, cnp.ndarray y, int kind) except -1:
+        if (cnp.PyArray_SIZE(x) != self.n_rows * self.d_in
+                or cnp.PyArray_SIZE(y) != self.n_rows * self.d_out):
+            raise ValueError(f"this plan is for {self.n_rows} rows of ({self.d_in}, {self.d_out}), "
+                             f"got buffers of {cnp.PyArray_SIZE(x)} and {cnp.PyArray_SIZE(y)} values")
         if self._ng == 0 or self.n_rows == 0:
             return 0
         return _run_segments(self._segs, self._ng, x, y, self.d_in, self.d_out, kind)

@@ -156,7 +156,8 @@ class LoraLayer:
         if a.dtype == np.float32:
             kernel = _rows.LayerKernel(a, bt, scale, bias)
         else:  # 16-bit weights: the core takes their bit patterns
-            kernel = _rows.LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale, bias,
+            kernel = _rows.LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale,
+                                       None if bias is None else bias.view(np.uint16),
                                        weights=a.dtype.name)
         object.__setattr__(self, "_kernel", kernel)
 
@@ -226,23 +227,25 @@ class LoraLayer:
     def astype(self, dtype):
         """This layer with ``a`` and ``b`` kept in ``dtype`` (float32, float16 or bfloat16).
 
-        Values are rounded once, to nearest even; the bias (if any) is rounded
-        to ``dtype`` too and kept as float32.  ``self`` when already in
-        ``dtype``.  The kernels widen 16-bit weights to float32 on each call.
+        Values are rounded once, to nearest even (the bias, if any, too).
+        ``self`` when already in ``dtype``.  The kernels widen 16-bit arrays to
+        float32 on each call.
         """
         dt = _weight_dtype(dtype)
         if dt == self._a.dtype:
             return self
         a32, bt32 = _as_float32(self._a), _as_float32(self._bt)
-        bias = self._bias
+        bias = None if self._bias is None else _as_float32(self._bias)
         if dt == np.float32:
             a, bt = a32.copy(), bt32.copy()
             a.flags.writeable = bt.flags.writeable = False
+            if bias is not None and bias is self._bias:
+                pass  # already a float32 array of this layer's
+            elif bias is not None:
+                bias.flags.writeable = False
         else:
             a, bt = _rounded(a32, dt), _rounded(bt32, dt)
-            if bias is not None:
-                bias = _as_float32(_rounded(bias, dt)).copy()
-                bias.flags.writeable = False
+            bias = None if bias is None else _rounded(bias, dt)
         return LoraLayer._trusted(a, bt, self._scale, bias)
 
     def delta_weight(self):
@@ -264,8 +267,7 @@ def _read_only(arr, name, ndim):
     are, without a copy; anything else is refused.
     """
     if not isinstance(arr, np.ndarray) or arr.dtype.name not in _WEIGHT_DTYPES \
-            or arr.ndim != ndim or not arr.flags.c_contiguous or not arr.dtype.isnative \
-            or (name == "bias" and arr.dtype != np.float32):
+            or arr.ndim != ndim or not arr.flags.c_contiguous or not arr.dtype.isnative:
         raise TypeError(f"unpickled LoraLayer: {name} must be a native float32 (or float16 / "
                         f"bfloat16 weights) C-contiguous "
                         f"{ndim}-D array, got {type(arr).__name__} "
@@ -276,9 +278,12 @@ def _read_only(arr, name, ndim):
 
 
 def _layer_from_pickle(a, bt, scale, bias):
+    a, bt = _read_only(a, "a", 2), _read_only(bt, "bt", 2)
     bias = None if bias is None else _read_only(bias, "bias", 1)
-    return LoraLayer._trusted(_read_only(a, "a", 2), _read_only(bt, "bt", 2),
-                              _finite_scale(scale, "scale"), bias)
+    if bt.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
+        raise TypeError(f"unpickled LoraLayer: a, bt and bias must share one dtype, got "
+                        f"{a.dtype}, {bt.dtype} and {None if bias is None else bias.dtype}")
+    return LoraLayer._trusted(a, bt, _finite_scale(scale, "scale"), bias)
 
 
 def _check_key(key):
@@ -441,9 +446,8 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
     def astype(self, dtype):
         """The same adapter with ``a`` and ``b`` kept in ``dtype``: float32, float16 or bfloat16.
 
-        Each value is rounded once, to nearest even (the bias, if any, is rounded
-        to ``dtype`` and kept as float32); :attr:`nbytes` halves for a 16-bit
-        dtype.  ``bfloat16`` is ``ml_dtypes.bfloat16`` (import ml_dtypes; lorahook
+        Each value is rounded once, to nearest even (biases too); :attr:`nbytes`
+        halves for a 16-bit dtype.  ``bfloat16`` is ``ml_dtypes.bfloat16`` (import ml_dtypes; lorahook
         never imports it).  Calls compute in float32 from the rounded values,
         widened per call; :meth:`delta_weight`, :func:`blend` and
         :meth:`merge_into` work in float32; :meth:`save_peft` writes ``dtype``.
@@ -575,17 +579,24 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
         targets = self._merge_targets(weights, biases)
         if not targets:
             return
-        # One scratch buffer, allocated before the first write, holds each
-        # delta in turn: once the checks pass nothing is left to fail.
+        # Everything that allocates happens before the first write: one
+        # scratch buffer that holds each delta in turn, the float32 factors of
+        # 16-bit layers, the scaled biases.  Targets are updated as plain
+        # ndarrays (a subclass's __array_ufunc__ cannot stop a merge halfway).
         scratch = np.empty(max(t[2].size for t in targets), dtype=np.float32)
+        work = [(w.view(np.ndarray), _as_float32(layer._bt).T, _as_float32(layer.a),
+                 np.float32(layer.scale),
+                 None if bv is None else (bv.view(np.ndarray),
+                                          _as_float32(layer.bias) * np.float32(layer.scale)))
+                for _, layer, w, bv in targets]
         update = np.add if sign > 0 else np.subtract
-        for key, layer, w, bv in targets:
+        for w, b, a, scale, bias in work:
             delta = scratch[:w.size].reshape(w.shape)
-            np.matmul(_as_float32(layer._bt).T, _as_float32(layer.a), out=delta)
-            delta *= np.float32(layer.scale)
+            np.matmul(b, a, out=delta)
+            delta *= scale
             update(w, delta, out=w)
-            if bv is not None:
-                update(bv, layer.bias * np.float32(layer.scale), out=bv)
+            if bias is not None:
+                update(bias[0], bias[1], out=bias[0])
 
     def merge_into(self, weights, biases=None):
         """Add every key's delta into ``weights[key]`` (float32 ``(d_out, d_in)``) in place.

@@ -60,10 +60,24 @@ def _check_name(name):
     return name
 
 
+def _check_lookup_name(name):
+    """A name to look up: a ``str`` (``TypeError`` otherwise); ``""`` is simply unknown."""
+    if not isinstance(name, str):
+        raise TypeError(f"adapter name must be a str, got {type(name).__name__} ({name!r})")
+    if not name:
+        raise KeyError("no adapter named '': adapter names are non-empty")
+    return name
+
+
 def _check_adapter(name, adapter):
     if not isinstance(adapter, LoraAdapter):
         raise TypeError(
             f"adapter {name!r} must be a lorahook.LoraAdapter, got {type(adapter).__name__}")
+    if adapter._core_mode != 0:
+        raise TypeError(
+            f"adapter {name!r} is a {type(adapter).__name__} with its own is_active or apply; an "
+            f"AdapterSet batches adapters in the compiled core, which would not call them "
+            f"(serve it alone with apply_lora_rows)")
     return adapter
 
 
@@ -149,14 +163,15 @@ class _Installed:
 
 
 class _Load:
-    """One load of one name in progress: the loader sets the result, waiters wait."""
+    """One load of one name: the loader sets the entry or the error, waiters wait."""
 
-    __slots__ = ("done", "adapter", "error")
+    __slots__ = ("done", "entry", "error", "installed")
 
     def __init__(self):
         self.done = threading.Event()
-        self.adapter = None
+        self.entry = None      # the _Installed made from the loaded adapter
         self.error = None
+        self.installed = False  # counted in stats()["loads"] once
 
 
 class AdapterSet:
@@ -198,7 +213,7 @@ class AdapterSet:
     """
 
     __slots__ = ("_model", "_lock", "_installed", "_capacity", "_resolver", "_lru",
-                 "_pinned", "_loading", "_stats")
+                 "_pinned", "_loading", "_stats", "_evicted")
 
     def __init__(self, model=None, *, capacity_bytes=None, resolver=None):
         self._model = _check_model(model)
@@ -217,7 +232,8 @@ class AdapterSet:
         # resident names, least recently used first (values unused)
         self._lru = OrderedDict()
         self._pinned = set()
-        self._loading = {}  # name -> _Load in progress
+        self._loading = {}  # name -> _Load in progress (or done, until committed)
+        self._evicted = set()  # names that left by eviction (not by remove) and are not back
         self._stats = {"hits": 0, "loads": 0, "evictions": 0, "load_seconds": 0.0}
 
     @property
@@ -278,7 +294,9 @@ class AdapterSet:
         self._installed = MappingProxyType(new)
         for name in evicted:
             self._lru.pop(name, None)
+        self._evicted.update(evicted)
         for name, entry in changes.items():
+            self._evicted.discard(name)
             if entry is None:
                 self._lru.pop(name, None)
                 self._pinned.discard(name)
@@ -296,7 +314,12 @@ class AdapterSet:
     # --- loading on first use -------------------------------------------------
 
     def _resident(self, names, what="name"):
-        """A snapshot holding every name of ``names`` (loaded if needed), marked as used."""
+        """A snapshot holding every name of ``names`` (loaded if needed), marked as used.
+
+        A name that was resident when this call looked and has been evicted
+        since by another thread is installed again; one removed on purpose
+        since stays out of the set, and only this call's snapshot holds it.
+        """
         snap = self._installed
         missing = [n for n in names if n not in snap]
         if not missing:
@@ -307,30 +330,57 @@ class AdapterSet:
             return snap
         if self._resolver is None:
             _refuse_unknown(what, set(missing), snap)
-        loaded = {name: self._load(name) for name in sorted(missing)}
-        with self._lock:
-            changes, fresh = {}, 0
-            for name in names:
-                if name in self._installed:
-                    continue
-                if name in loaded:
-                    changes[name] = _Installed(loaded[name])
-                    fresh += 1
-                else:  # resident a moment ago, evicted by another thread since: back it goes
-                    changes[name] = snap[name]
-            self._commit(changes, protect=names)
-            self._stats["loads"] += fresh
-            self._stats["hits"] += len(names) - fresh
-            self._touch(names)
-            return self._installed
+        jobs = {}
+        try:
+            for name in sorted(missing):
+                jobs[name] = self._load(name)
+            with self._lock:
+                changes, extra, fresh = {}, {}, []
+                for name in names:
+                    if name in self._installed:
+                        continue
+                    if name in jobs:
+                        changes[name] = jobs[name].entry
+                        if not jobs[name].installed:
+                            fresh.append(jobs[name])
+                    elif name in self._evicted:
+                        changes[name] = snap[name]
+                    else:
+                        extra[name] = snap[name]
+                self._commit(changes, protect=names)
+                for job in fresh:
+                    job.installed = True
+                self._stats["loads"] += len(fresh)
+                self._stats["hits"] += len(names) - len(fresh)
+                self._touch(names)
+                if extra:
+                    return MappingProxyType({**self._installed, **extra})
+                return self._installed
+        finally:
+            if jobs:
+                with self._lock:  # loads this call waited on are over once it has committed
+                    for name, job in jobs.items():
+                        if self._loading.get(name) is job:
+                            del self._loading[name]
 
     def _load(self, name):
-        """Resolve and validate ``name`` once, however many threads ask at the same time."""
+        """Resolve and validate ``name`` once, however many threads ask at the same time.
+
+        Returns the finished :class:`_Load`.  A successful load stays in
+        ``_loading`` until a thread that waited on it has committed, so a use
+        arriving in between shares it instead of loading again; a failed one
+        leaves at once, so that the next use tries again.
+        """
         with self._lock:
             job = self._loading.get(name)
             mine = job is None
             if mine:
                 job = self._loading[name] = _Load()
+                entry = self._installed.get(name)
+                if entry is not None:  # installed meanwhile (add, another bind): no load
+                    job.entry, job.installed = entry, True
+                    job.done.set()
+                    return job
         if not mine:
             job.done.wait()
         else:
@@ -339,17 +389,18 @@ class AdapterSet:
                 adapter = self._resolve(name)
                 if self._model is not None:
                     adapter.validate_against(self._model)
-                job.adapter = adapter
+                job.entry = _Installed(adapter)
             except BaseException as exc:
                 job.error = exc
             finally:
                 with self._lock:
-                    del self._loading[name]
+                    if job.error is not None:
+                        del self._loading[name]
                     self._stats["load_seconds"] += time.perf_counter() - start
                 job.done.set()
         if job.error is not None:
             raise job.error
-        return job.adapter
+        return job
 
     def _resolve(self, name):
         resolver = self._resolver
@@ -358,7 +409,7 @@ class AdapterSet:
             if found is None:
                 raise KeyError(f"no adapter named {name!r}: the resolver does not know it")
             if isinstance(found, LoraAdapter):
-                return found
+                return _check_adapter(name, found)
             if isinstance(found, (str, os.PathLike)):
                 return _load_directory(name, found)
             raise TypeError(f"the resolver returned {type(found).__name__} for {name!r}; "
@@ -432,7 +483,7 @@ class AdapterSet:
 
         Loads it first when it is not resident and the resolver knows it.
         """
-        _check_name(name)
+        _check_lookup_name(name)
         while True:
             self._resident((name,))
             with self._lock:
@@ -468,7 +519,7 @@ class AdapterSet:
 
     def get(self, name):
         """The adapter under ``name``, loaded on first use (``KeyError`` if unknown)."""
-        _check_name(name)
+        _check_lookup_name(name)
         return self._resident((name,))[name].adapter
 
     def stats(self):

@@ -320,3 +320,69 @@ def test_eight_threads_binding_six_names_with_room_for_three(store):
     assert not over
     stats = s.stats()
     assert stats["resident"] <= 3 and stats["evictions"] > 0 and stats["loads"] > 6
+
+
+def test_a_remove_during_a_loading_bind_is_not_undone(store):
+    root, written = store
+    started, release = threading.Event(), threading.Event()
+
+    def slow(name):
+        if name == "disk":
+            started.set()
+            release.wait(10)
+        return str(root / "t1")
+
+    s = AdapterSet(resolver=slow)
+    s.add("manual", written["t0"])
+    hooks = []
+    worker = threading.Thread(target=lambda: hooks.append(s.bind(["manual", "disk"])))
+    worker.start()
+    assert started.wait(5)
+    s.remove("manual")
+    release.set()
+    worker.join()
+    assert s.names() == ["disk"]  # the removed adapter stays removed
+    x = np.ones((2, D_IN), np.float32)
+    _check_rows(hooks[0], ["manual", "t1"], {"manual": written["t0"], "t1": written["t1"]}, x)
+
+
+def test_a_use_between_a_finished_load_and_its_install_shares_that_load(store):
+    root, _ = store
+    calls = []
+
+    class Paused(AdapterSet):
+        __slots__ = ()
+
+        def _load(self, name):
+            job = super()._load(name)
+            time.sleep(0.3)  # the window between a finished load and its install
+            return job
+
+    def resolve(name):
+        calls.append(name)
+        return str(root / "t2")
+
+    s = Paused(resolver=resolve)
+    first = threading.Thread(target=s.get, args=("x",))
+    first.start()
+    time.sleep(0.1)
+    s.get("x")
+    first.join()
+    assert calls == ["x"] and s.stats()["loads"] == 1
+
+
+def test_empty_names_are_unknown_and_subclasses_with_their_own_hooks_are_refused(store):
+    root, written = store
+    s = AdapterSet(resolver=root)
+    for call in (s.get, s.pin):
+        with pytest.raises(KeyError):
+            call("")
+    with pytest.raises(KeyError):
+        s.bind([""])
+
+    class Quiet(LoraAdapter):
+        def is_active(self, layer_idx, module):
+            return False
+
+    with pytest.raises(TypeError, match="own is_active or apply"):
+        s.add("quiet", Quiet(dict(written["t0"].layers)))
