@@ -18,7 +18,6 @@ import pickle
 import socket
 import subprocess
 import sys
-import threading
 import time
 import tracemalloc
 import urllib.error
@@ -46,7 +45,6 @@ serve = _need("ray.serve")
 
 import lorahook  # noqa: E402
 from lorahook import AdapterSet, LoraAdapter, LoraFormatError, LoraLayer, apply_lora_rows  # noqa: E402
-from lorahook import ray_serve  # noqa: E402
 from lorahook.ray_serve import AdapterLease, batch, multiplexed, shared_resolver  # noqa: E402
 
 # Deployments and remote classes below are shipped to the workers by value:
@@ -517,6 +515,77 @@ def test_bad_adapters_leave_rays_list_unchanged(small_app):
     after = handle.info.remote().result(timeout_s=TIMEOUT_S)
     assert after["routed"] == before
     assert "no-such-tenant" not in after["alive"] and "broken" not in after["alive"]
+
+
+FORWARD_S = 0.03  # a forward that dominates: its cost does not depend on its rows
+
+
+@serve.deployment(max_ongoing_requests=64, ray_actor_options={"num_cpus": 0})
+class Batchers:
+    """One replica, the same forward behind lorahook's batch and Ray's serve.batch."""
+
+    def __init__(self):
+        self.adapters = AdapterSet()
+        for i, name in enumerate(NAMES):
+            self.adapters.add(name, _adapter(300 + i, h=8, i=8, rank=2))
+        self.load = multiplexed(self.adapters, len(NAMES))
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)  # one forward thread either way
+        self.forwards = []
+
+    def _forward(self, names, items):
+        self.adapters.bind(names)
+        time.sleep(FORWARD_S)
+        self.forwards.append(list(names))
+        return [(name, item) for name, item in zip(names, items)]
+
+    async def _run(self, names, items):
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, self._forward, names, items)
+
+    async def mixed(self, item):
+        name = await self.load(serve.get_multiplexed_model_id())
+        return await self.mixed_batch(name, item)
+
+    @batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    async def mixed_batch(self, names, items):
+        return await self._run(names, items)
+
+    async def split(self, item):
+        await self.load(serve.get_multiplexed_model_id())
+        return await self.split_batch(item)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    async def split_batch(self, items):
+        name = serve.get_multiplexed_model_id() or None
+        return await self._run([name] * len(items), items)
+
+    def take_forwards(self):
+        out, self.forwards = self.forwards, []
+        return out
+
+
+def test_one_replica_mixed_batches_beat_serve_batch(cluster):
+    handle = serve.run(Batchers.bind(), name="batchers", route_prefix="/batchers")
+    try:
+        def round_(method):
+            t0 = time.perf_counter()
+            responses = [getattr(handle.options(multiplexed_model_id=NAMES[i % 8]), method)
+                         .remote(i) for i in range(64)]
+            results = [r.result(timeout_s=TIMEOUT_S) for r in responses]
+            elapsed = time.perf_counter() - t0
+            assert results == [(NAMES[i % 8], i) for i in range(64)]  # each caller its own
+            return elapsed, handle.take_forwards.remote().result(timeout_s=TIMEOUT_S)
+
+        round_("mixed"), round_("split")  # warm-up
+        mixed_s, mixed = round_("mixed")
+        split_s, split = round_("split")
+        assert len(mixed) <= 8, [len(b) for b in mixed]
+        assert any(len(set(b)) >= 2 for b in mixed)
+        assert all(len(set(b)) == 1 for b in split)  # Ray's: one adapter per forward
+        assert len(split) > 2 * len(mixed)
+        assert split_s >= 2 * mixed_s, (split_s, mixed_s, len(split), len(mixed))
+    finally:
+        serve.delete("batchers")
 
 
 def test_shared_resolver_loads_once_for_two_processes(cluster, tmp_path_factory):
