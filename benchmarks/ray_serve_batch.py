@@ -147,7 +147,14 @@ def run(rounds=5):
            "max_batch_size": MAX_BATCH_SIZE, "batch_wait_timeout_s": WAIT_S,
            "model": f"{LAYERS} x float32 {D}x{D} projections, rank-{RANK} adapters",
            "cpus": os.cpu_count()}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray puts the driver's working directory first on the workers' sys.path: start it
+    # from here, so that a source checkout's lorahook/ never shadows the installed one.
+    cwd = os.getcwd()
+    os.chdir(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        os.chdir(cwd)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
         Model = build(serve, batch, multiplexed)

@@ -212,6 +212,22 @@ def _largest_adapter_bytes(adapters_dir):
 # --------------------------------------------------------------------------- --smoke
 
 
+def start_ray(address="local", **kwargs):
+    """``ray.init`` from this file's directory, then back to the current one.
+
+    Ray puts the driver's working directory first on every worker's
+    ``sys.path``; run from a lorahook source checkout, that directory's
+    ``lorahook/`` (without its compiled core) would shadow the installed
+    package in every replica.
+    """
+    here = os.getcwd()
+    os.chdir(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        ray.init(address=address, **kwargs)
+    finally:
+        os.chdir(here)
+
+
 def _free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -286,7 +302,7 @@ def smoke():
         want = _reference(model_path, adapters_dir, names, prompt, new)
         assert len({tuple(t) for t in want.values()}) > 1, "the adapters change nothing?"
         port = _free_port()
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        start_ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             # two replicas with room for two adapters each: four adapters fit the deployment
@@ -355,7 +371,7 @@ def main(argv=None):
     if not args.model or not args.adapters:
         parser.error("--model and --adapters are required (or --smoke)")
     capacity = None if args.capacity_mb is None else int(args.capacity_mb * (1 << 20))
-    ray.init(address=args.address)
+    start_ray(args.address)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_app(args.model, args.adapters, args.replicas, args.adapters_per_replica,
                     capacity, args.torch_threads)

@@ -51,7 +51,8 @@ from lorahook.ray_serve import AdapterLease, batch, multiplexed, shared_resolver
 # the workers cannot import this test module.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 H, I, RANK = 256, 512, 16  # the replicas' model: x (H) -> up (I) -> tanh -> down (H)
 NAMES = [f"tenant{i}" for i in range(8)]
 TIMEOUT_S = 60  # any one wait on the cluster
@@ -251,7 +252,7 @@ def test_example_smoke_runs_end_to_end():
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "ray_serve_lora.py"), "--smoke"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "smoke test passed" in proc.stdout
     assert not ray.is_initialized()
@@ -337,7 +338,8 @@ def test_shared_resolver_checks_and_pickles():
 def test_lorahook_exports_nothing_that_imports_ray():
     code = ("import sys, lorahook; "
             "print(any(m == 'ray' or m.startswith('ray.') for m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
+                         timeout=120)
     assert out.stdout.strip() == "False", out.stderr
     assert not any("ray" in name.lower() for name in lorahook.__all__)
 
@@ -349,8 +351,16 @@ def test_lorahook_exports_nothing_that_imports_ray():
 def cluster():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     port = _free_port()
-    ray.init(num_cpus=2, address="local", include_dashboard=False, log_to_driver=False,
-             namespace="lorahook-tests")
+    # Ray puts the driver's working directory first on every worker's sys.path:
+    # from the repository root, the source tree's lorahook (no compiled core in
+    # CI) would shadow the tested one.  Start it from this directory instead.
+    cwd = os.getcwd()
+    os.chdir(HERE)
+    try:
+        ray.init(num_cpus=2, address="local", include_dashboard=False, log_to_driver=False,
+                 namespace="lorahook-tests")
+    finally:
+        os.chdir(cwd)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield {"port": port}
