@@ -167,9 +167,9 @@ def multiplexed(adapters, max_num_models_per_replica):
     functools.update_wrapper(load, ray_load, assigned=(), updated=("__dict__",))
     load.__dict__.pop("__wrapped__", None)
     load.__qualname__ = load.__name__ = "load"
-    load.__doc__ = (f"Make an adapter resident in {adapters!r}, then record it in Ray's "
-                    f"multiplexed list (at most {max_models}); returns the name, or None for "
-                    f"the base model.")
+    load.__doc__ = (f"Make an adapter resident in this replica's AdapterSet, then record it in "
+                    f"Ray's multiplexed list (at most {max_models} names); returns the name, or "
+                    f"None for the base model.")
     load.adapters = adapters
     load.max_num_models_per_replica = max_models
     load.routed = routed
@@ -292,9 +292,18 @@ class _ResolverActor:
 
 _RemoteResolverActor = ray.remote(_ResolverActor)
 
-# Handles already found in this process, by actor name (one lookup per process).
+# Handles already found in this process, by (Ray job, actor name): one lookup
+# per process and connection (a handle from an earlier ray.init is worthless).
 _HANDLES = {}
 _HANDLES_LOCK = threading.Lock()
+
+
+def _check_adapter_name(name):
+    if not isinstance(name, str):
+        raise TypeError(f"adapter name must be a non-empty str, found {_found(name)}")
+    if not name:
+        raise ValueError("adapter name must be a non-empty str, found ''")
+    return name
 
 
 class SharedResolver:
@@ -330,27 +339,32 @@ class SharedResolver:
 
     # --- the actor -----------------------------------------------------------
 
-    def _actor(self):
-        with _HANDLES_LOCK:
-            handle = _HANDLES.get(self._name)
-        if handle is not None:
-            return handle
+    def _key(self):
         if not ray.is_initialized():
             raise RuntimeError(
                 f"shared_resolver {self._name!r} needs a running Ray: call ray.init() first, or "
                 f"use it inside a Ray task, actor or Serve replica")
+        return (ray.get_runtime_context().get_job_id(), self._name)
+
+    def _actor(self):
+        key = self._key()
+        with _HANDLES_LOCK:
+            handle = _HANDLES.get(key)
+        if handle is not None:
+            return handle
         # Joins the actor if it runs (and then uses its resolver), else starts it.
         handle = _RemoteResolverActor.options(
             name=self._name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             max_concurrency=self.max_concurrency, num_cpus=0,
         ).remote(self._resolver)
         with _HANDLES_LOCK:
-            return _HANDLES.setdefault(self._name, handle)
+            return _HANDLES.setdefault(key, handle)
 
     def _forget(self, handle):
+        key = self._key()
         with _HANDLES_LOCK:
-            if _HANDLES.get(self._name) is handle:
-                del _HANDLES[self._name]
+            if _HANDLES.get(key) is handle:
+                del _HANDLES[key]
 
     def _call(self, method, *args):
         # A handle to an actor that has died fails once; the next try starts it again.
@@ -372,9 +386,7 @@ class SharedResolver:
         this process).  Raises what the load raised: ``KeyError`` for an
         unknown name, :class:`~lorahook.LoraFormatError` for a broken one.
         """
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"adapter name must be a non-empty str, found {_found(name)}")
-        kind, value = self._call("resolve", name)
+        kind, value = self._call("resolve", _check_adapter_name(name))
         if kind == "error":
             raise value
         adapter = ray.get(value[0])
@@ -390,9 +402,7 @@ class SharedResolver:
         the copy while anyone maps it); the next first use loads it again --
         how a changed adapter directory is picked up.
         """
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"adapter name must be a non-empty str, found {_found(name)}")
-        if not self._call("drop", name):
+        if not self._call("drop", _check_adapter_name(name)):
             raise KeyError(f"shared_resolver {self._name!r} holds no adapter named {name!r}")
 
     def stats(self):
@@ -408,15 +418,15 @@ class SharedResolver:
 
         A later call with this name starts a new actor.
         """
+        key = self._key()
         with _HANDLES_LOCK:
-            handle = _HANDLES.pop(self._name, None)
-        if handle is None and ray.is_initialized():
+            handle = _HANDLES.pop(key, None)
+        if handle is None:
             try:
                 handle = ray.get_actor(self._name, namespace=NAMESPACE)
-            except ValueError:
+            except ValueError:  # no such actor: nothing to end
                 return
-        if handle is not None:
-            ray.kill(handle, no_restart=True)
+        ray.kill(handle, no_restart=True)
 
 
 def shared_resolver(resolver, *, name="lorahook-adapters"):

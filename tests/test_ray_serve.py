@@ -651,6 +651,10 @@ def test_shared_resolver_concurrent_first_uses_drop_close_and_errors(cluster, ad
             shared("no-such-tenant")
         with pytest.raises(LoraFormatError, match="broken"):
             shared("broken")
+        with pytest.raises(ValueError, match=r"adapter name must be a non-empty str, found ''"):
+            shared("")
+        with pytest.raises(TypeError, match=r"adapter name must be a non-empty str, found int"):
+            shared.drop(3)
         stats = shared.stats()
         assert set(stats["loads_by_name"]) == {NAMES[0]}  # failed loads do not count
         assert stats["failures_by_name"] == {"no-such-tenant": 1, "broken": 1}
