@@ -1,4 +1,4 @@
-"""lorahook on Ray Serve: batches that mix adapters across one replica's requests.
+"""lorahook on Ray Serve: mixed-adapter batches, adapter-affine routing, one copy per node.
 
 Needs Ray Serve (``pip install 'lorahook[ray]'``); this is the one lorahook
 module that imports ray, and ``import lorahook`` never imports it.
@@ -6,20 +6,448 @@ module that imports ray, and ``import lorahook`` never imports it.
 - :func:`batch` gathers the pending requests of any adapters into one batch
   (Ray's own ``serve.batch`` splits a batch by multiplexed model id: one
   forward per adapter).  It is plain asyncio and works outside Ray too.
+- :func:`multiplexed` routes an adapter's requests to the replicas that hold
+  it, through Ray's ``serve.multiplexed``, while the replica's
+  :class:`~lorahook.AdapterSet` bounds its memory in bytes.
+- :func:`shared_resolver` loads each adapter once for the whole cluster, in
+  one actor, and hands it to every replica through Ray's object store: the
+  replicas of one node map one read-only copy.
+
+A replica, in short::
+
+    @serve.deployment(max_ongoing_requests=32)
+    class Server:
+        def __init__(self, resolver):
+            self.adapters = lorahook.AdapterSet(capacity_bytes=64 << 20, resolver=resolver)
+            self.load = lorahook.ray_serve.multiplexed(self.adapters, 8)
+
+        async def __call__(self, item):
+            name = await self.load(serve.get_multiplexed_model_id())  # None: the base model
+            return await self.forward(name, item)
+
+        @lorahook.ray_serve.batch(max_batch_size=16)
+        async def forward(self, names, items):
+            hook = self.adapters.bind(names)   # one batch, several adapters
+            ...
+
+    app = Server.bind(lorahook.ray_serve.shared_resolver("/models/adapters"))
 """
 try:
-    import ray.serve  # noqa: F401  (the extra's dependency, checked at import)
+    import ray
+    from ray import serve
 except ImportError as exc:
     raise ImportError(
         "lorahook.ray_serve needs Ray Serve, which could not be imported "
         f"({exc}); install it with: pip install 'lorahook[ray]'"
     ) from exc
 
-from ._batching import batch
+import asyncio
+import collections
+import functools
+import numbers
+import os
+import pickle
+import threading
+import weakref
 
-__all__ = ["batch"]
+from ._batching import _found, batch
+from .adapter import LoraAdapter
+from .serving import AdapterSet
 
-# Still to come here (SPEC section 12): ``multiplexed`` (adapter-affine routing
-# through Ray's serve.multiplexed, bounded by an AdapterSet's byte capacity)
-# and ``shared_resolver`` (one load of each adapter per cluster, shared through
-# the object store).  They are not defined yet.
+__all__ = ["batch", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"]
+
+#: The Ray namespace of the actors :func:`shared_resolver` starts.
+NAMESPACE = "lorahook"
+
+
+# --------------------------------------------------------------------------- multiplexed
+
+
+class AdapterLease:
+    """What Ray's per-replica LRU keeps for an adapter: its name, and nothing else.
+
+    Ray's ``serve.multiplexed`` keeps the object its loader returns until it
+    unloads the model by count.  The adapter itself lives in the replica's
+    :class:`~lorahook.AdapterSet`, which bounds memory in bytes; Ray's list
+    only decides which adapters this replica reports for routing.  So what
+    Ray keeps is this plain object: no arrays, no ``__slots__`` and no
+    ``__del__`` (Ray would call it on unload; unloading a lease frees
+    nothing and must not).
+    """
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"AdapterLease({self.name!r})"
+
+
+def _check_max_models(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"max_num_models_per_replica must be an int >= 1, found {_found(value)}")
+    if value < 1:
+        raise ValueError(
+            f"max_num_models_per_replica must be an int >= 1 (Ray's -1, no limit, would report "
+            f"every adapter this replica ever served for routing), found {value!r}")
+    return int(value)
+
+
+def multiplexed(adapters, max_num_models_per_replica):
+    """An async loader for a replica's request handler: adapter-affine routing on Ray Serve.
+
+    ``adapters`` is the replica's :class:`~lorahook.AdapterSet`, normally
+    with a resolver (a directory, a callable, or :func:`shared_resolver`) and
+    a ``capacity_bytes``.  Make the loader in the deployment's ``__init__``
+    (it belongs to one replica and does not pickle) and call it per request::
+
+        self.load = multiplexed(self.adapters, max_num_models_per_replica=8)
+        ...
+        name = await self.load(serve.get_multiplexed_model_id())
+
+    ``await load(name)`` returns the adapter name, ready for :func:`batch`
+    and :meth:`~lorahook.AdapterSet.bind`; ``load("")`` (Ray's "no model id")
+    and ``load(None)`` return ``None``, the base model, without calling Ray.
+
+    For a name, the loader first makes the adapter resident in ``adapters``,
+    in a worker thread (reading files never blocks the replica's event loop),
+    so an unknown or broken adapter raises there -- ``KeyError``,
+    :class:`~lorahook.LoraFormatError`, :class:`~lorahook.LoraValidationError`,
+    :class:`~lorahook.errors.LoraCapacityError` -- and Ray's list of this
+    replica's models does not change.  Then it enters Ray's
+    ``serve.multiplexed`` wrapper (``max_num_models_per_replica`` is its
+    count), which records the name as loaded here, reports it to the routers
+    and keeps an :class:`AdapterLease` for it.  Ray then routes the
+    adapter's requests to the replicas that report it.
+
+    Memory: the set's ``capacity_bytes`` is the one bound.  Ray unloading a
+    lease by count only stops the replica reporting that name; the set
+    evicts by bytes, and an evicted adapter is gone from the replica even if
+    Ray still lists it (its next request loads it again).  Keep
+    ``max_num_models_per_replica x bytes per adapter <= capacity_bytes``, or
+    the set evicts adapters that Ray still routes here and reloads them (the
+    set's ``stats()["loads"]`` shows it).
+
+    The loader has two attributes for inspection: ``load.adapters`` (the
+    set) and ``load.routed()`` (the names Ray's list holds now, sorted).
+    """
+    if not isinstance(adapters, AdapterSet):
+        raise TypeError(f"adapters must be a lorahook.AdapterSet, found {_found(adapters)}")
+    max_models = _check_max_models(max_num_models_per_replica)
+    leases = weakref.WeakValueDictionary()  # name -> the lease Ray's list holds
+
+    # A new function for every loader: Ray keeps its per-replica LRU on the
+    # function it decorates.  Its name must not be an attribute of str, or
+    # Ray would take the model id for a ``self``.
+    async def _lorahook_adapter_lease(name):
+        lease = AdapterLease(name)
+        leases[name] = lease
+        return lease
+
+    ray_load = serve.multiplexed(max_num_models_per_replica=max_models)(_lorahook_adapter_lease)
+
+    async def load(model_id):
+        if model_id is None or (isinstance(model_id, str) and not model_id):
+            return None
+        if not isinstance(model_id, str):
+            raise TypeError(
+                f"the multiplexed model id must be an adapter name (str), '' or None (the base "
+                f"model), found {_found(model_id)}")
+        if model_id not in adapters:
+            # Raises for an unknown or broken adapter before Ray hears of it.
+            await asyncio.to_thread(adapters.get, model_id)
+        await ray_load(model_id)
+        return model_id
+
+    def routed():
+        """The adapter names Ray's list of this replica's models holds now (sorted)."""
+        return sorted(leases.keys())
+
+    # Ray's marker that this replica multiplexes (Ray looks for it on the
+    # deployment's attributes), without the wrapper's other attributes.
+    functools.update_wrapper(load, ray_load, assigned=(), updated=("__dict__",))
+    load.__dict__.pop("__wrapped__", None)
+    load.__qualname__ = load.__name__ = "load"
+    load.__doc__ = (f"Make an adapter resident in this replica's AdapterSet, then record it in "
+                    f"Ray's multiplexed list (at most {max_models} names); returns the name, or "
+                    f"None for the base model.")
+    load.adapters = adapters
+    load.max_num_models_per_replica = max_models
+    load.routed = routed
+    return load
+
+
+# --------------------------------------------------------------------------- shared_resolver
+
+
+def _check_resolver(resolver):
+    if isinstance(resolver, (str, os.PathLike)):
+        path = os.fspath(resolver)
+        if isinstance(path, bytes) or not path:
+            raise TypeError(f"a resolver directory must be a non-empty str path, found "
+                            f"{_found(resolver)}")
+        return path
+    if callable(resolver):
+        return resolver
+    raise TypeError(
+        f"resolver must be a directory of PEFT adapters (str or os.PathLike) or a callable "
+        f"name -> LoraAdapter | path | None, found {_found(resolver)}")
+
+
+def _check_actor_name(name):
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a non-empty str (the actor's name), found {_found(name)}")
+    if not name:
+        raise ValueError("name must be a non-empty str (the actor's name), found ''")
+    return name
+
+
+def _portable_error(exc):
+    """``exc`` if it pickles (it travels back to the caller), else a RuntimeError saying what it was."""
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+
+
+class _Load:
+    __slots__ = ("done", "ref", "error")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.ref = None
+        self.error = None
+
+
+class _ResolverActor:
+    """The actor behind :func:`shared_resolver`: loads each name once, keeps it in the object store.
+
+    Threaded (several ``resolve`` calls at once); a name's first callers
+    share one load.  What it keeps is an object reference per name, so the
+    adapter's one copy is the object store's; the actor's own copy is
+    dropped right after ``ray.put``.
+    """
+
+    def __init__(self, resolver):
+        self._resolver = resolver
+        self._lock = threading.Lock()
+        self._held = {}  # name -> (ObjectRef, nbytes)
+        self._loading = {}  # name -> _Load
+        self._loads = collections.Counter()
+        self._failures = collections.Counter()
+
+    def resolve(self, name):
+        """``("ref", [ObjectRef])`` for ``name``, loading it first if needed; or ``("error", exc)``."""
+        with self._lock:
+            held = self._held.get(name)
+            if held is not None:
+                return ("ref", [held[0]])
+            job = self._loading.get(name)
+            mine = job is None
+            if mine:
+                job = self._loading[name] = _Load()
+        if mine:
+            try:
+                # A set of its own for each load: the resolver rules of
+                # AdapterSet (safe names, directories, callables), nothing kept.
+                adapter = AdapterSet(resolver=self._resolver).get(name)
+                nbytes = adapter.nbytes
+                job.ref = ray.put(adapter)
+                del adapter
+                with self._lock:
+                    self._held[name] = (job.ref, nbytes)
+                    self._loads[name] += 1
+            except Exception as exc:
+                job.error = _portable_error(exc)
+                with self._lock:
+                    self._failures[name] += 1
+            finally:
+                with self._lock:
+                    del self._loading[name]
+                job.done.set()
+        else:
+            job.done.wait()
+        if job.error is not None:
+            return ("error", job.error)
+        return ("ref", [job.ref])
+
+    def drop(self, name):
+        with self._lock:
+            if self._held.pop(name, None) is None:
+                return False
+        return True
+
+    def stats(self):
+        with self._lock:
+            return {
+                "loads_by_name": dict(self._loads),
+                "failures_by_name": dict(self._failures),
+                "resident": len(self._held),
+                "names": sorted(self._held),
+                "nbytes": int(sum(n for _, n in self._held.values())),
+                "loading": len(self._loading),
+                "pid": os.getpid(),
+            }
+
+
+_RemoteResolverActor = ray.remote(_ResolverActor)
+
+# Handles already found in this process, by (Ray job, actor name): one lookup
+# per process and connection (a handle from an earlier ray.init is worthless).
+_HANDLES = {}
+_HANDLES_LOCK = threading.Lock()
+
+
+def _check_adapter_name(name):
+    if not isinstance(name, str):
+        raise TypeError(f"adapter name must be a non-empty str, found {_found(name)}")
+    if not name:
+        raise ValueError("adapter name must be a non-empty str, found ''")
+    return name
+
+
+class SharedResolver:
+    """A resolver whose loads happen once per Ray cluster: see :func:`shared_resolver`.
+
+    Call it as an :class:`~lorahook.AdapterSet` does, ``resolver(name) ->
+    LoraAdapter``.  It pickles as its settings (the resolver and the actor's
+    name), so it can be passed to a deployment's ``bind``.
+    """
+
+    #: Threads of the actor: concurrent loads of different names, and lookups of loaded ones.
+    max_concurrency = 16
+
+    def __init__(self, resolver, name="lorahook-adapters"):
+        self._resolver = _check_resolver(resolver)
+        self._name = _check_actor_name(name)
+
+    def __reduce__(self):
+        return (SharedResolver, (self._resolver, self._name))
+
+    @property
+    def name(self):
+        """The actor's name (in Ray namespace ``lorahook``)."""
+        return self._name
+
+    @property
+    def resolver(self):
+        """The resolver this object would start the actor with (a running actor keeps its own)."""
+        return self._resolver
+
+    def __repr__(self):
+        return f"SharedResolver({self._resolver!r}, name={self._name!r})"
+
+    # --- the actor -----------------------------------------------------------
+
+    def _key(self):
+        if not ray.is_initialized():
+            raise RuntimeError(
+                f"shared_resolver {self._name!r} needs a running Ray: call ray.init() first, or "
+                f"use it inside a Ray task, actor or Serve replica")
+        return (ray.get_runtime_context().get_job_id(), self._name)
+
+    def _actor(self):
+        key = self._key()
+        with _HANDLES_LOCK:
+            handle = _HANDLES.get(key)
+        if handle is not None:
+            return handle
+        # Joins the actor if it runs (and then uses its resolver), else starts it.
+        handle = _RemoteResolverActor.options(
+            name=self._name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+            max_concurrency=self.max_concurrency, num_cpus=0,
+        ).remote(self._resolver)
+        with _HANDLES_LOCK:
+            return _HANDLES.setdefault(key, handle)
+
+    def _forget(self, handle):
+        key = self._key()
+        with _HANDLES_LOCK:
+            if _HANDLES.get(key) is handle:
+                del _HANDLES[key]
+
+    def _call(self, method, *args):
+        # A handle to an actor that has died fails once; the next try starts it again.
+        for attempt in (0, 1):
+            handle = self._actor()
+            try:
+                return ray.get(getattr(handle, method).remote(*args))
+            except ray.exceptions.RayActorError:
+                self._forget(handle)
+                if attempt:
+                    raise
+
+    # --- the resolver --------------------------------------------------------
+
+    def __call__(self, name):
+        """The adapter under ``name``, loaded once for the cluster and mapped from the object store.
+
+        Its arrays are read-only views of the object store's copy (no copy in
+        this process).  Raises what the load raised: ``KeyError`` for an
+        unknown name, :class:`~lorahook.LoraFormatError` for a broken one.
+        """
+        kind, value = self._call("resolve", _check_adapter_name(name))
+        if kind == "error":
+            raise value
+        adapter = ray.get(value[0])
+        if not isinstance(adapter, LoraAdapter):  # pragma: no cover - the actor only puts adapters
+            raise TypeError(f"shared_resolver {self._name!r} returned {_found(adapter)} for "
+                            f"{name!r}; expected a LoraAdapter")
+        return adapter
+
+    def drop(self, name):
+        """Release ``name`` from the actor (``KeyError`` if it holds none by that name).
+
+        Processes that hold the adapter keep theirs (the object store keeps
+        the copy while anyone maps it); the next first use loads it again --
+        how a changed adapter directory is picked up.
+        """
+        if not self._call("drop", _check_adapter_name(name)):
+            raise KeyError(f"shared_resolver {self._name!r} holds no adapter named {name!r}")
+
+    def stats(self):
+        """The actor's counters: ``loads_by_name`` (name -> loads), ``resident``, ``nbytes``, ...
+
+        Also ``failures_by_name``, ``names`` (held, sorted), ``loading``
+        (loads in progress) and ``pid`` (the actor's process).
+        """
+        return self._call("stats")
+
+    def close(self):
+        """End the actor; what it held leaves the object store once no process maps it.
+
+        A later call with this name starts a new actor.
+        """
+        key = self._key()
+        with _HANDLES_LOCK:
+            handle = _HANDLES.pop(key, None)
+        if handle is None:
+            try:
+                handle = ray.get_actor(self._name, namespace=NAMESPACE)
+            except ValueError:  # no such actor: nothing to end
+                return
+        ray.kill(handle, no_restart=True)
+
+
+def shared_resolver(resolver, *, name="lorahook-adapters"):
+    """A resolver whose loads happen once per Ray cluster, shared through the object store.
+
+    ``resolver`` is what :class:`~lorahook.AdapterSet` takes: a directory of
+    PEFT adapters (name -> ``<dir>/<name>``) or a callable ``name ->
+    LoraAdapter | path | None``.  The loads run in one detached, threaded
+    actor named ``name`` in Ray namespace ``lorahook``, which loads each name
+    at most once, concurrent first requests included, and keeps it in Ray's
+    object store.  Every process that resolves a name gets the adapter from
+    there: on one node, all replicas map the same read-only copy (Ray moves
+    it once to each other node, and spills it to disk under pressure).  The
+    directory is read on the node the actor runs on.
+
+    Pass the result to each replica (``Deployment.bind(shared)``) and use it
+    as the replica's set's resolver: ``AdapterSet(capacity_bytes=...,
+    resolver=shared)``.  The first call starts the actor (again if it has
+    died); later calls, from any process, join it and use its resolver.
+    ``drop(name)`` releases one adapter from the actor (processes that hold
+    it keep theirs), ``close()`` ends the actor, ``stats()`` returns at least
+    ``loads_by_name`` (name -> count), ``resident`` and ``nbytes``.
+    """
+    return SharedResolver(resolver, name)
