@@ -892,4 +892,5 @@ def test_ray_serve_exports_batch():
     pytest.importorskip("ray.serve")
     import lorahook.ray_serve as ray_serve
     assert ray_serve.batch is batch
-    assert ray_serve.__all__ == ["batch"]
+    assert set(ray_serve.__all__) == {"batch", "multiplexed", "shared_resolver", "SharedResolver",
+                                      "AdapterLease"}
