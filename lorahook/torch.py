@@ -255,15 +255,19 @@ class Selection:
         chosen = dict(current) if current else {}
         chosen[self._attached._key] = hook
         token = _SELECTIONS.set(chosen)
-        self._tokens.set(self._tokens.get() + (token,))
+        self._tokens.set(self._tokens.get() + ((token, chosen),))
         return self
 
     def __exit__(self, *exc):
         stack = self._tokens.get()
         if not stack:
             raise RuntimeError("this selection was not entered in the current context")
+        token, chosen = stack[-1]
+        if _SELECTIONS.get() is not chosen:
+            raise RuntimeError("selections must be exited in the reverse order of entry: an inner "
+                               "selection entered after this one is still in force")
         self._tokens.set(stack[:-1])
-        _SELECTIONS.reset(stack[-1])
+        _SELECTIONS.reset(token)
 
     def run(self, fn, /, *args, **kwargs):
         """``fn(*args, **kwargs)`` inside this selection (e.g. a thread's target)."""
@@ -431,7 +435,7 @@ def _make_selection_hook(attach_key, path, key, d_in, d_out):
         if chosen is None:
             return None
         hook = chosen.get(attach_key)
-        if hook is None or not hook.is_active(layer_idx, module):
+        if hook is None:
             return None
         x = inputs[0]
         s = hook.n_sequences
@@ -444,6 +448,11 @@ def _make_selection_hook(attach_key, path, key, d_in, d_out):
         elif x.dim() != 2:
             raise ValueError(f"lorahook.torch: {path}: a selection applies to (batch, seq, d_in) "
                              f"or (rows, d_in) inputs, got shape {tuple(x.shape)}")
+        elif s == 0 or x.shape[0] % s:
+            raise ValueError(f"lorahook.torch: {path}: the selection has {s} sequences, but the "
+                             f"input has {x.shape[0]} rows, not a multiple of {s}")
+        if not hook.is_active(layer_idx, module):
+            return None  # no selected adapter covers this linear: nothing to do
         return _run(hook, path, layer_idx, module, x, output, d_in, d_out)
 
     return forward_hook

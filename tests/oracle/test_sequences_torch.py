@@ -286,3 +286,26 @@ def test_the_multi_tenant_example_runs_and_agrees():
     proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("same tokens") == 4
+
+
+def test_the_batch_shape_is_checked_on_every_hooked_linear(setup):
+    base, _, _, _, attached = setup
+    ids = torch.ones((3, 5), dtype=torch.long)
+    # no sequence has an adapter: the shape is still the selection's business
+    with torch.inference_mode(), attached.sequences([None, None, None, None]):
+        with pytest.raises(ValueError, match="not a multiple of 4"):
+            base(input_ids=ids)
+
+
+def test_selections_exited_out_of_order_are_refused(setup):
+    base, pristine, _, _, attached = setup
+    outer, inner = attached.sequences(SELECTED), attached.sequences(["c"] * 4)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="reverse order"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    ids = _inputs(False)["input_ids"]
+    with torch.inference_mode():
+        assert torch.equal(base(input_ids=ids).logits, pristine(input_ids=ids).logits)
