@@ -9,8 +9,9 @@ Makes a LoRA adapter for all-MiniLM-L6-v2 with PEFT, saves it, loads it with
 as numpy arrays (same memory, no copy) and add the LoRA delta in place.  Then it
 serves two adapters and "no adapter" in one batch with ``AdapterSet.bind``.
 
-Not supported: bf16/fp16 weights (``model.float()`` first), quantised bases,
-models that already carry PEFT layers, GPU tensors, and autograd (inference only).
+float32, bfloat16 and float16 models work as they are (half tensors are viewed,
+not copied).  Not supported: quantised bases, models that already carry PEFT
+layers, GPU tensors, and autograd (inference only).
 """
 import copy
 import tempfile
