@@ -7,6 +7,7 @@ import asyncio
 import contextvars
 import gc
 import pickle
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,9 @@ import pytest
 
 from lorahook import _batching
 from lorahook._batching import batch
+
+# children run from this folder, so they import the installed lorahook, not the source tree
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run(coro, timeout=20):
@@ -698,7 +702,7 @@ def test_cloudpickled_class_runs_in_a_fresh_process():
         print("ray" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", child], input=payload, capture_output=True,
-                         timeout=120)
+                         timeout=120, cwd=_HERE)
     assert out.returncode == 0, out.stderr.decode()
     assert out.stdout.decode().split("\n")[:2] == [
         "['a:0', 'b:1', 'None:2', 'a:3', 'a:4'] [[0, 2, 3], [1], [4]]", "False"]
@@ -860,7 +864,7 @@ def test_reads_the_replica_context_like_ray(monkeypatch):
 
 def _child(code):
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, cwd=_HERE)
     assert out.returncode == 0, out.stderr
     return out.stdout
 

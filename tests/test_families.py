@@ -385,8 +385,10 @@ def test_measured_geometry():
 def run(*args):
     env = dict(os.environ)
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    # from this folder, so the child imports the installed lorahook, not the source tree
     proc = subprocess.run([sys.executable, "-m", "lorahook"] + [str(a) for a in args],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
     return proc.returncode, proc.stdout, proc.stderr
 
 
