@@ -45,7 +45,7 @@ the batch it was computed in.
 
 cimport cython
 cimport numpy as cnp
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 from libc.limits cimport INT_MAX
 from libc.stdlib cimport free
 from cpython.type cimport PyType_IsSubtype
@@ -135,20 +135,6 @@ cdef extern from *:
     }
     static float *lorahook_scratch(size_t n, int *owned) { return lorahook_scratch_slot(n, 0, owned); }
 
-    /* y = round(widen(y) + d) for n 16-bit values of kind: the delta added to
-       the widened output, rounded once, in blocks that stay in L1. */
-    #define LORAHOOK_ADD_BLOCK 512
-    static void lorahook_half_add_round(const float *d, unsigned short *y, size_t n, int kind) {
-        float buf[LORAHOOK_ADD_BLOCK];
-        size_t i, j, m;
-        for (i = 0; i < n; i += m) {
-            m = n - i < LORAHOOK_ADD_BLOCK ? n - i : LORAHOOK_ADD_BLOCK;
-            lorahook_half_widen(y + i, buf, m, kind);
-            for (j = 0; j < m; j++) buf[j] += d[i + j];
-            lorahook_half_narrow(buf, y + i, m, kind);
-        }
-    }
-
     /* The file of the BLAS library the kernels call ("" when unknown): the
        dynamic loader says which file holds a function of the module that
        calls BLAS (scipy.linalg.cython_blas); a symbol lookup through that
@@ -183,7 +169,6 @@ cdef extern from *:
     """
     float *lorahook_scratch(size_t n, int *owned) noexcept nogil
     float *lorahook_scratch_slot(size_t n, int slot, int *owned) noexcept nogil
-    void lorahook_half_add_round(const float *d, uint16_t *y, size_t n, int kind) noexcept nogil
     size_t LORAHOOK_SCRATCH_CACHE_FLOATS
     int LORAHOOK_DEBUG_BUILD
     char *lorahook_blas_path
@@ -927,15 +912,101 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
     return 0
 
 
+# Half-precision batches: rows per chunk, and the floats of one block of the
+# delta (a block of output columns for every row of a chunk), kept in L1/L2.
+cdef enum:
+    _HALF_CHUNK_ROWS = 32
+    _HALF_BLOCK_FLOATS = 4096
+
+
+cdef int _run_half_batched(const Segment *s, const int *rows, const float *row_scales,
+                           const uint16_t *X, uint16_t *Y, int d_in, int d_out,
+                           int hk) noexcept nogil:
+    """Half-precision rows at or above the crossover, the output never widened whole.
+
+    Per chunk of ``_HALF_CHUNK_ROWS`` rows: the input rows are widened into
+    scratch area 1 and ``T = A X^T`` is one ``sgemm``; then, a block of output
+    columns at a time, the rows' block of the output is widened into ``D``,
+    ``D += s * B_block T`` (``sgemm``) and each row's block is rounded back
+    once.  ``D`` stays in L1 (blocks widen with the rank, whose ``sgemm`` has
+    more to do); ``s`` holds float32 weights.
+    """
+    cdef int rank = s.rank
+    cdef Py_ssize_t n = s.n_rows, k, j, r, o0
+    cdef int c, ob, block, owned = 0
+    cdef char tr = b'T'
+    cdef char nt = b'N'
+    cdef int one_i = 1
+    cdef float one = 1.0
+    cdef float zero = 0.0
+    cdef float alpha, a_j
+    cdef float *A = <float *>s.a
+    cdef float *B = <float *>s.b
+    cdef float *bias = <float *>s.bias
+    # more rows per chunk and wider blocks for higher ranks, where each sgemm
+    # has more to do; rank 16: 32 rows, blocks of 128 output columns
+    cdef int grow = 1 + (rank - 1) // 16
+    if grow > 8:
+        grow = 8
+    cdef Py_ssize_t chunk = _HALF_CHUNK_ROWS * grow
+    if chunk > n:
+        chunk = n
+    block = <int>(_HALF_BLOCK_FLOATS * grow // chunk)
+    if block > d_out:
+        block = d_out
+    if block < 16:
+        block = 16 if d_out >= 16 else d_out
+    cdef float *G = lorahook_scratch_slot(
+        <size_t>chunk * (<size_t>d_in + rank + block), 1, &owned)
+    if G == NULL:
+        return -1
+    cdef float *T = G + chunk * d_in
+    cdef float *D = T + chunk * rank
+    k = 0
+    while k < n:
+        c = <int>(chunk if n - k > chunk else n - k)
+        for j in range(c):
+            r = rows[k + j] if rows != NULL else k + j
+            lorahook_half_widen(X + r * d_in, G + j * d_in, d_in, hk)
+        # T^T (rank x c, column-major) = A X^T
+        sgemm(&tr, &nt, &rank, &c, &d_in, &one, A, &d_in, G, &d_in, &zero, T, &rank)
+        if row_scales != NULL:
+            for j in range(c):
+                a_j = row_scales[k + j]
+                sscal(&rank, &a_j, T + j * rank, &one_i)
+            alpha = one
+        else:
+            alpha = s.scale
+        o0 = 0
+        while o0 < d_out:
+            ob = <int>(block if d_out - o0 > block else d_out - o0)
+            for j in range(c):  # the block of each output row, widened
+                r = rows[k + j] if rows != NULL else k + j
+                lorahook_half_widen(Y + r * d_out + o0, D + j * ob, ob, hk)
+            # D (ob x c, column-major) += alpha * B[o0:o0+ob, :] T^T; B column-major, ld d_out
+            sgemm(&nt, &nt, &ob, &c, &rank, &alpha, B + o0, &d_out, T, &rank, &one, D, &ob)
+            for j in range(c):  # each output row's block rounded once
+                r = rows[k + j] if rows != NULL else k + j
+                if bias != NULL:
+                    a_j = row_scales[k + j] if row_scales != NULL else s.scale
+                    saxpy(&ob, &a_j, bias + o0, &one_i, D + j * ob, &one_i)
+                lorahook_half_narrow(D + j * ob, Y + r * d_out + o0, ob, hk)
+            o0 += ob
+        k += c
+    if owned:
+        free(G)
+    return 0
+
+
 cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, int d_out,
                           Py_ssize_t crossover, int kind) noexcept nogil:
     """``_run_segment`` for rows of any kind and adapters with 16-bit weights.
 
     16-bit weights are widened once per call into scratch area 2.  Half rows
-    (``kind`` F16/BF16) are processed in chunks: each chunk's input rows are
-    widened into scratch area 1, the float32 kernel computes the delta there,
-    and each output row becomes ``round(widen(y) + delta)``: the delta added
-    to the widened output and rounded once, to nearest even.  The kernel path (row loop or sgemm) is chosen by the whole
+    (``kind`` F16/BF16) take :func:`_run_half_batched` at or above the
+    crossover; below it, each chunk's input and output rows are widened into
+    scratch area 1, the float32 row kernel adds each delta to the widened
+    output, and each output row is rounded back once, to nearest even.  The kernel path (row loop or sgemm) is chosen by the whole
     segment's row count, as for float32 rows.  Returns -1 without memory.
     """
     cdef Segment seg = s[0]
@@ -961,9 +1032,14 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
             lorahook_half_widen(<const uint16_t *>s.bias16, <float *>seg.bias, d_out, s.wkind)
     if kind == ROWS_F32:
         rc = _run_segment(&seg, <const float *>X, <float *>Y, d_in, d_out, crossover)
+    elif n >= crossover:
+        rc = _run_half_batched(&seg, s.rows, s.row_scales, <const uint16_t *>X,
+                               <uint16_t *>Y, d_in, d_out,
+                               LORAHOOK_HALF_F16 if kind == ROWS_F16 else LORAHOOK_HALF_BF16)
     else:
+        # the row loop (below the crossover): rows widened into scratch, the
+        # float32 row kernel computes each delta, each output row rounded once
         hk = LORAHOOK_HALF_F16 if kind == ROWS_F16 else LORAHOOK_HALF_BF16
-        # chunks of rows whose widened input and delta stay in a core's L2
         cap = <Py_ssize_t>(1 << 18) // (<Py_ssize_t>d_in + d_out)
         chunk = n if n < cap else cap
         if chunk < 1:
@@ -974,15 +1050,14 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
         else:
             G = R
             D = R + chunk * d_in
-            # the whole segment's choice of kernel, for every chunk
-            crossover = 1 if n >= crossover else n + 1
+            crossover = n + 1  # every chunk takes the row loop, as the whole segment does
             k = 0
             while k < n:
                 c = <int>(chunk if n - k > chunk else n - k)
                 for j in range(c):
                     r = s.rows[k + j] if s.rows != NULL else k + j
                     lorahook_half_widen(<const uint16_t *>X + r * d_in, G + j * d_in, d_in, hk)
-                memset(D, 0, <size_t>c * d_out * sizeof(float))
+                    lorahook_half_widen(<const uint16_t *>Y + r * d_out, D + j * d_out, d_out, hk)
                 seg.rows = NULL
                 seg.n_rows = c
                 seg.row_scales = s.row_scales + k if s.row_scales != NULL else NULL
@@ -991,7 +1066,7 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
                     break
                 for j in range(c):
                     r = s.rows[k + j] if s.rows != NULL else k + j
-                    lorahook_half_add_round(D + j * d_out, <uint16_t *>Y + r * d_out, d_out, hk)
+                    lorahook_half_narrow(D + j * d_out, <uint16_t *>Y + r * d_out, d_out, hk)
                 k += c
     if owned_r:
         free(R)
