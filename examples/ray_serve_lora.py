@@ -1,6 +1,6 @@
 """Serve one causal LM with many LoRA adapters on Ray Serve, several adapters per batch.
 
-    pip install 'lorahook[ray]' torch transformers
+    pip install 'lorahook[ray]'        # Ray Serve, torch and transformers
     python examples/ray_serve_lora.py --model /models/base --adapters /models/adapters \
         --replicas 2 --adapters-per-replica 8
     python examples/ray_serve_lora.py --smoke     # end to end on a small random model
@@ -65,7 +65,7 @@ def _imports():
         from ray import serve  # noqa: F401
     except ImportError as exc:
         sys.exit(f"this example needs Ray Serve, PyTorch and transformers ({exc}): "
-                 f"pip install 'lorahook[ray]' torch transformers")
+                 f"pip install 'lorahook[ray]'")
 
 
 _imports()
