@@ -435,7 +435,6 @@ cdef class KernelSource:
     never change afterwards, so a source may be used from several threads.
     """
     cdef dict _table          # table: key -> LayerKernel, for every row
-    cdef str _label           # names the source in error messages ("" when none)
     cdef int _mode
     cdef bint _grouped
     cdef tuple _parts         # groups: ((label, KernelSource, {scale: (s, units, scales)}), ...)
@@ -452,7 +451,7 @@ cdef class KernelSource:
         self._filled = True
         return 0
 
-    def _set_table(self, table, int mode, label=None):
+    def _set_table(self, table, int mode):
         """Make this a kernel table: ``table`` maps keys to LayerKernels (rank > 0).
 
         The table is copied (the caller's dict may change afterwards); a source
@@ -467,7 +466,6 @@ cdef class KernelSource:
         self._fill_once()
         self._table = table
         self._mode = mode
-        self._label = "" if label is None else str(label)
         self._grouped = False
 
     def _set_units(self, parts, Py_ssize_t units, bint exact):
@@ -505,7 +503,6 @@ cdef class KernelSource:
         self._units = units
         self._exact = exact
         self._mode = MODE_KERNELS
-        self._label = ""
         self._grouped = True
         self._resolved = {}
         self._plans = {}
@@ -516,10 +513,6 @@ cdef class KernelSource:
         if self._grouped:
             return bool(self._groups(key))
         return self._table is not None and key in self._table
-
-    def _rows_per_unit(self, Py_ssize_t n):
-        """The call check of a unit-group source for ``n`` rows; returns rows per unit."""
-        return self._check_rows(n)
 
     cdef Py_ssize_t _check_rows(self, Py_ssize_t n) except -1:
         if self._exact:
@@ -702,7 +695,7 @@ cdef object _apply(hook, layer_idx, module, input, output, input_row_width, outp
         if src is not None and not src._grouped:
             found = src._table.get((layer_idx, module))
             if found is not None:
-                _check_kernel_widths(<LayerKernel?>found, (layer_idx, module), src._label,
+                _check_kernel_widths(<LayerKernel?>found, (layer_idx, module), "",
                                      widths[0], widths[1])
         if n:
             _apply_each_row(hook, layer_idx, module, <cnp.ndarray>input, <cnp.ndarray>output,
@@ -713,7 +706,7 @@ cdef object _apply(hook, layer_idx, module, input, output, input_row_width, outp
         found = src._table.get(key)
         if found is None:
             return
-        _check_kernel_widths(<LayerKernel?>found, key, src._label, widths[0], widths[1])
+        _check_kernel_widths(<LayerKernel?>found, key, "", widths[0], widths[1])
         if n:
             _run_layer(<LayerKernel?>found, <cnp.ndarray>input, <cnp.ndarray>output, n, kind)
         return

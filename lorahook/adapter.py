@@ -110,9 +110,10 @@ def _check_bias_shape(a, bt, bias):
 _FLOAT32 = np.dtype(np.float32)  # native byte order: equal to no other byte order
 
 
-def _adoptable(arr, name, ndim):
-    if type(arr) is not np.ndarray or arr.dtype != _FLOAT32:
-        raise TypeError(f"{name} must be a native float32 ndarray, got {type(arr).__name__} "
+def _adoptable(arr, name, ndim, dtype=_FLOAT32):
+    """Check an array a layer may keep as it is: ``dtype`` (native), C-contiguous, read-only."""
+    if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
+        raise TypeError(f"{name} must be a native {dtype} ndarray, got {type(arr).__name__} "
                         f"{getattr(arr, 'dtype', '')}")
     flags = arr.flags
     if arr.ndim != ndim or not flags.c_contiguous or flags.writeable:
@@ -165,17 +166,19 @@ class LoraLayer:
     def _adopt(cls, a, bt, scale, bias=None):
         """A layer that keeps ``a``, ``bt`` (``B^T``, ``(rank, d_out)``) and ``bias`` as they are.
 
-        For arrays a file reader has just made for this layer alone: native float32,
-        C-contiguous, read-only, and already checked finite (in the copy that made them).
-        Shapes, ranks and the scale are checked as :class:`LoraLayer` checks them; nothing
-        is copied.
+        For arrays already checked finite that this layer may keep: a file reader's
+        fresh float32 arrays, or unpickled ones (float32 or 16-bit weights, all of one
+        dtype).  They must be native, C-contiguous and read-only.  Shapes, ranks and the
+        scale are checked as :class:`LoraLayer` checks them; nothing is copied.
         """
-        _adoptable(a, "a", 2)
-        _adoptable(bt, "b^T", 2)
+        dtype = a.dtype if isinstance(a, np.ndarray) and a.dtype.name in _WEIGHT_DTYPES \
+            and a.dtype.isnative else _FLOAT32
+        _adoptable(a, "a", 2, dtype)
+        _adoptable(bt, "b^T", 2, dtype)
         scale = _finite_scale(scale, "scale")
         _check_factor_shapes(a, bt)
         if bias is not None:
-            _adoptable(bias, "bias", 1)
+            _adoptable(bias, "bias", 1, dtype)
             _check_bias_shape(a, bt, bias)
         self = cls.__new__(cls)
         self._init(a, bt, scale, bias)
@@ -234,19 +237,15 @@ class LoraLayer:
         dt = _weight_dtype(dtype)
         if dt == self._a.dtype:
             return self
-        a32, bt32 = _as_float32(self._a), _as_float32(self._bt)
-        bias = None if self._bias is None else _as_float32(self._bias)
-        if dt == np.float32:
-            a, bt = a32.copy(), bt32.copy()
-            a.flags.writeable = bt.flags.writeable = False
-            if bias is not None and bias is self._bias:
-                pass  # already a float32 array of this layer's
-            elif bias is not None:
-                bias.flags.writeable = False
+        arrays = [None if arr is None else _as_float32(arr)
+                  for arr in (self._a, self._bt, self._bias)]
+        if dt == np.float32:  # widened from 16 bits: new arrays of this layer's own
+            for arr in arrays:
+                if arr is not None:
+                    arr.flags.writeable = False
         else:
-            a, bt = _rounded(a32, dt), _rounded(bt32, dt)
-            bias = None if bias is None else _rounded(bias, dt)
-        return LoraLayer._trusted(a, bt, self._scale, bias)
+            arrays = [None if arr is None else _rounded(arr, dt) for arr in arrays]
+        return LoraLayer._trusted(*arrays[:2], self._scale, arrays[2])
 
     def delta_weight(self):
         """``scale * B @ A`` as a float32 ``(d_out, d_in)`` array (computed in float32)."""
@@ -260,30 +259,12 @@ class LoraLayer:
                 f"scale={self._scale:g}{bias})")
 
 
-def _read_only(arr, name, ndim):
-    """An unpickled array as the layer keeps it: float32, contiguous, read-only.
-
-    Arrays that arrive that way (protocol-5 buffers included) are kept as they
-    are, without a copy; anything else is refused.
-    """
-    if not isinstance(arr, np.ndarray) or arr.dtype.name not in _WEIGHT_DTYPES \
-            or arr.ndim != ndim or not arr.flags.c_contiguous or not arr.dtype.isnative:
-        raise TypeError(f"unpickled LoraLayer: {name} must be a native float32 (or float16 / "
-                        f"bfloat16 weights) C-contiguous "
-                        f"{ndim}-D array, got {type(arr).__name__} "
-                        f"{getattr(arr, 'dtype', '')} {getattr(arr, 'shape', '')}")
-    if arr.flags.writeable:
-        arr.flags.writeable = False
-    return arr
-
-
 def _layer_from_pickle(a, bt, scale, bias):
-    a, bt = _read_only(a, "a", 2), _read_only(bt, "bt", 2)
-    bias = None if bias is None else _read_only(bias, "bias", 1)
-    if bt.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
-        raise TypeError(f"unpickled LoraLayer: a, bt and bias must share one dtype, got "
-                        f"{a.dtype}, {bt.dtype} and {None if bias is None else bias.dtype}")
-    return LoraLayer._trusted(a, bt, _finite_scale(scale, "scale"), bias)
+    """An unpickled layer: its arrays kept as they arrive (protocol-5 buffers too), read-only."""
+    for arr in (a, bt, bias):
+        if isinstance(arr, np.ndarray) and arr.flags.writeable:
+            arr.flags.writeable = False
+    return LoraLayer._adopt(a, bt, scale, bias)
 
 
 def _check_key(key):

@@ -36,7 +36,7 @@ import numbers
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -282,15 +282,21 @@ class AdapterSet:
                     f"adapters {sorted(keep)} need {need} bytes; with {pinned} bytes pinned "
                     f"({sorted(n for n in self._pinned if n in new and n not in keep)}) they "
                     f"cannot fit in capacity_bytes={self._capacity}; nothing was evicted")
-            total = _nbytes(new.values())
+            # bytes per array and how many resident adapters share it: an
+            # eviction frees only the arrays no other adapter keeps
+            users = Counter(i for entry in new.values() for i in entry.arrays)
+            sizes = {i: b for entry in new.values() for i, b in entry.arrays.items()}
+            total = sum(sizes.values())
             for name in list(self._lru):
                 if total <= self._capacity:
                     break
                 if name in keep or name in self._pinned or name not in new:
                     continue
-                del new[name]
+                for i in new.pop(name).arrays:
+                    users[i] -= 1
+                    if not users[i]:
+                        total -= sizes[i]
                 evicted.append(name)
-                total = _nbytes(new.values())
         self._installed = MappingProxyType(new)
         for name in evicted:
             self._lru.pop(name, None)
@@ -489,13 +495,8 @@ class AdapterSet:
             with self._lock:
                 if name not in self._installed:
                     continue  # evicted between the load and the pin: load again
+                # resident adapters fit the capacity, so pinned ones do too
                 self._pinned.add(name)
-                if self._capacity is not None:
-                    pinned = _nbytes(self._installed[n] for n in self._pinned)
-                    if pinned > self._capacity:  # pragma: no cover - resident already fits
-                        self._pinned.discard(name)
-                        raise LoraCapacityError(f"pinning {name!r} would pin {pinned} bytes, "
-                                                f"more than capacity_bytes={self._capacity}")
                 return
 
     def unpin(self, name):

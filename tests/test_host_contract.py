@@ -242,3 +242,19 @@ def test_merge_into_with_an_aliased_bias_changes_nothing():
     with pytest.raises(ValueError, match="share memory"):
         adapter.merge_into(weights, {(0, "q_proj"): bias, (1, "q_proj"): bias})
     assert _unchanged(weights, originals) and np.array_equal(bias, bias_before)
+
+
+def test_unpickling_checks_what_a_hostile_pickle_could_send():
+    from lorahook.adapter import _layer_from_pickle
+    a = np.ones((2, 8), np.float32)
+    bt = np.ones((2, 6), np.float32)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        _layer_from_pickle(a, np.ones((3, 6), np.float32), 1.0, None)
+    with pytest.raises(TypeError, match="float32"):
+        _layer_from_pickle(a, bt.astype(np.float16), 1.0, None)  # one dtype for a, bt, bias
+    with pytest.raises(ValueError, match="bias must have shape"):
+        _layer_from_pickle(a, bt, 1.0, np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="finite"):
+        _layer_from_pickle(a, bt, float("inf"), None)
+    layer = _layer_from_pickle(a, bt, 2.0, None)
+    assert not layer.a.flags.writeable and layer.b.shape == (6, 2)

@@ -386,3 +386,17 @@ def test_empty_names_are_unknown_and_subclasses_with_their_own_hooks_are_refused
 
     with pytest.raises(TypeError, match="own is_active or apply"):
         s.add("quiet", Quiet(dict(written["t0"].layers)))
+
+
+def test_an_eviction_counts_arrays_shared_with_a_resident_adapter_as_not_freed():
+    # "half" shares its arrays with "base": evicting it frees nothing, so the
+    # set must evict "base" too (or something else) to make room, never too little
+    base = _adapter(1)
+    s = AdapterSet(capacity_bytes=2 * ONE)
+    s.add("base", base)
+    s.add("half", base.scaled(0.5))
+    assert s.nbytes == ONE  # shared arrays counted once
+    s.add("other", _adapter(2))
+    assert s.nbytes <= 2 * ONE and "other" in s
+    s.add("third", _adapter(3))
+    assert s.nbytes <= 2 * ONE and s.names() == ["other", "third"]
