@@ -839,10 +839,12 @@ def test_warns_when_max_ongoing_requests_is_below_max_batch_size(monkeypatch):
 
 
 def test_no_replica_means_no_warning_and_no_ray_import():
+    had_ray = "ray" in sys.modules
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model = make_model(max_batch_size=1000, batch_wait_timeout_s=0)()
         assert run(model.f("a", 1)) == "a:1"
+    assert ("ray" in sys.modules) == had_ray  # batching never imports ray itself
     if "ray.serve" not in sys.modules:
         assert _batching._replica_max_ongoing_requests() is None
 

@@ -27,6 +27,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
+from .. import _rows
+
 from ..errors import LoraFormatError
 
 __all__ = ["read_safetensors_header", "read_safetensors", "read_float32", "MAX_HEADER_BYTES",
@@ -185,54 +187,23 @@ def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[st
 # so it stays in cache between the read and the conversion.
 _SCRATCH_BYTES = 256 * 1024
 
-# Float16 to float32 by bit arithmetic (exact for every finite half, and several times faster
-# than numpy's element-by-element half cast): the sign-extended half shifted left by 13 and masked
-# to 0x8FFFE000 is a float32 with the half's sign, mantissa and 5-bit exponent; multiplying by
-# 2**112 moves the exponent from the half's bias (15) to float32's (127). Half subnormals pass
-# through float32 subnormals, which the multiply renormalises exactly, unless the thread flushes
-# subnormal inputs to zero (DAZ); then numpy's own cast is used. Infinities and NaNs come out as
-# finite values of magnitude >= 2**16 (the largest finite half is 65504) and are caught.
-_HALF_MASK = np.int32(-0x70002000)  # 0x8FFFE000
-_HALF_SCALE = np.float32(2.0**112)
-_HALF_LIMIT = np.float32(2.0**16)
-_DENORMAL_PROBE = np.array([2.0**-140], dtype=np.float32)
+_HALF_KINDS = {"F16": "float16", "BF16": "bfloat16"}
 
 
-def _half_trick_exact() -> bool:
-    """Whether float32 subnormal inputs survive a multiply on this thread (no DAZ)."""
-    return bool((_DENORMAL_PROBE * _HALF_SCALE)[0] != 0)
+def _convert(src: np.ndarray, dst: np.ndarray, dtype: str, flip: bool) -> None:
+    """File rows ``src`` (raw bytes viewed with the file's element size) into float32 ``dst``.
 
-
-def _widen_half(src: np.ndarray, dst: np.ndarray, exact_trick: bool) -> bool:
-    """``dst[...] = src`` for F16 bits ``src`` (int16 view), any strides, ``dst`` float32.
-
-    Returns whether ``dst`` is known to be finite (checked on the way).
-    """
-    if not exact_trick:
-        np.copyto(dst, src.view("<f2"))
-        return False
-    bits = dst.view(np.int32)
-    np.left_shift(src, 13, out=bits, dtype=np.int32)
-    np.bitwise_and(bits, _HALF_MASK, out=bits)
-    np.multiply(dst, _HALF_SCALE, out=dst)
-    if dst.size and not (dst.max() < _HALF_LIMIT and dst.min() > -_HALF_LIMIT):
-        np.copyto(dst, src.view("<f2"))  # the true inf / nan, for the finiteness check
-        return False
-    return True
-
-
-def _convert(src: np.ndarray, dst: np.ndarray, dtype: str, exact_trick: bool) -> bool:
-    """Copy file elements ``src`` (raw bytes viewed with the file's element size) into float32 ``dst``.
-
-    Returns whether ``dst`` is known to be finite (only F16 is checked on the way).
+    ``flip``: ``src`` is ``(rows, cols)`` and ``dst`` its transpose.  F16 / BF16 are widened
+    by the core's conversions (exact, NaN and infinity kept for the finiteness check).
     """
     if dtype == "F32":
-        np.copyto(dst, src.view("<f4"))
-    elif dtype == "F16":
-        return _widen_half(src.view("<i2"), dst, exact_trick)
-    else:  # BF16 is the upper half of an IEEE float32.
-        np.left_shift(src.view("<u2"), 16, out=dst.view(np.uint32), dtype=np.uint32)
-    return False
+        values = src.view("<f4")
+    elif not flip and dst.flags.c_contiguous:
+        _rows._half_widen(src.view(np.uint16), _HALF_KINDS[dtype], out=dst)
+        return
+    else:
+        values = _rows._half_widen(src.view(np.uint16), _HALF_KINDS[dtype])
+    np.copyto(dst, values.reshape(dst.shape[::-1]).T if flip else values.reshape(dst.shape))
 
 
 def read_float32(
@@ -284,7 +255,7 @@ def read_float32(
         spans[name] = (start, start + count)
         start += count
 
-    reader = _Reader(path, file_size, buffer, spans, exact_half=_half_trick_exact())
+    reader = _Reader(path, file_size, buffer, spans)
     with reader:
         # Runs of tensors that follow each other in the file, read with one system call each.
         run, run_end, run_bytes = [], None, 0
@@ -324,8 +295,8 @@ _RUN_BYTES = 512 * 1024
 class _Reader:
     """The file side of :func:`read_float32`: vectored reads, the bounce buffer, conversions."""
 
-    def __init__(self, path, file_size, buffer, spans, exact_half):
-        self.path, self.file_size, self.exact_half = path, file_size, exact_half
+    def __init__(self, path, file_size, buffer, spans):
+        self.path, self.file_size = path, file_size
         self.buffer, self.spans = buffer, spans  # spans: name -> [begin, end) in buffer
         self.bounce = np.empty(_SCRATCH_BYTES, dtype=np.uint8)
         self.bounce_used = 0
@@ -369,15 +340,12 @@ class _Reader:
         """Tensors that follow each other in the file (and in the buffer): one read, one check."""
         self._fill([out[name] if raw is None else raw for name, _, _, raw in run],
                    data_start + run[0][1]["data_offsets"][0])
-        known_finite = True
         for name, info, flip, raw in run:
             if raw is not None:  # through the bounce buffer
                 rows = info["shape"][0] if info["shape"] else 1
-                known_finite &= self._convert_rows(raw, info, out[name], flip, 0, rows)
-            else:
-                known_finite = False
+                self._convert_rows(raw, info, out[name], flip, 0, rows)
         self.bounce_used = 0
-        if finite and not known_finite:
+        if finite:
             # The run's arrays are adjacent in the buffer: check them in one pass, then find
             # the culprits only if something is not finite.
             begin, stop = self.spans[run[0][0]][0], self.spans[run[-1][0]][1]
@@ -394,13 +362,12 @@ class _Reader:
         if self.bounce.nbytes < row_bytes:
             self.bounce = np.empty(row_bytes, dtype=np.uint8)
         offset = data_start + info["data_offsets"][0]
-        known_finite = True
         for first in range(0, rows, step):
             n = min(step, rows - first)
             raw = self.bounce[: n * row_bytes]
             self._fill([raw], offset + first * row_bytes)
-            known_finite &= self._convert_rows(raw, info, dst, flip, first, n)
-        if finite and not known_finite:
+            self._convert_rows(raw, info, dst, flip, first, n)
+        if finite:
             self._check_finite(name, dst)
 
     def _check_finite(self, name, arr):
@@ -413,10 +380,11 @@ class _Reader:
         dtype = info["dtype"]
         src = raw.view(f"<u{_DTYPE_SIZES[dtype]}")
         if flip:
-            return _convert(src.reshape(n, -1).T, dst[:, first:first + n], dtype, self.exact_half)
+            _convert(src, dst[:, first:first + n], dtype, True)
+            return
         flat = dst.reshape(-1)
         per_row = flat.size // (info["shape"][0] if info["shape"] else 1) if flat.size else 0
-        return _convert(src, flat[first * per_row:(first + n) * per_row], dtype, self.exact_half)
+        _convert(src, flat[first * per_row:(first + n) * per_row], dtype, False)
 
 
 _HAVE_READV = hasattr(os, "readv")
