@@ -38,12 +38,10 @@ def random_adapter(config, rank, seed):
     """A rank-``rank`` adapter on every projection of ``config``, saved and read as PEFT would."""
     rng = np.random.default_rng(seed)
     layers = {}
-    for layer_idx in range(config.num_hidden_layers):
-        for module in config.modules_for_layer(layer_idx):
-            d_in, d_out = config.projection_shape(layer_idx, module)
-            layers[(layer_idx, module)] = lorahook.LoraLayer(
-                rng.standard_normal((rank, d_in)) / np.sqrt(d_in),
-                rng.standard_normal((d_out, rank)) * 0.5, scale=2.0)
+    for layer_idx, module, d_in, d_out in config.projections():
+        layers[(layer_idx, module)] = lorahook.LoraLayer(
+            rng.standard_normal((rank, d_in)) / np.sqrt(d_in),
+            rng.standard_normal((d_out, rank)) * 0.5, scale=2.0)
     return lorahook.LoraAdapter(layers)
 
 

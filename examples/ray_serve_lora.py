@@ -250,12 +250,10 @@ def _smoke_files(tmp):
     for seed, name in enumerate(names):
         rng = np.random.default_rng(seed)
         layers = {}
-        for layer_idx in range(geometry.num_layers):
-            for module in geometry.modules(layer_idx):
-                d_in, d_out = geometry.projection_shape(layer_idx, module)
-                layers[(layer_idx, module)] = lorahook.LoraLayer(
-                    rng.standard_normal((8, d_in)) / np.sqrt(d_in),
-                    rng.standard_normal((d_out, 8)), scale=1.0)
+        for layer_idx, module, d_in, d_out in geometry.projections():
+            layers[(layer_idx, module)] = lorahook.LoraLayer(
+                rng.standard_normal((8, d_in)) / np.sqrt(d_in),
+                rng.standard_normal((d_out, 8)), scale=1.0)
         lorahook.LoraAdapter(layers).save_peft(os.path.join(adapters_dir, name),
                                                architecture="llama")
     return model_path, adapters_dir, names

@@ -398,8 +398,8 @@ def run(progress=None, quick=False, thread_study=None):
 def _run(progress, quick, thread_study):
     from . import NoopLoraHook, apply_lora_rows
     from . import threads
-    default_blas = threads.info()["blas"]
     threads.configure(blas_threads=None)  # as the process found it: lorahook's default
+    default_blas = threads.info()["blas"]
     if thread_study is None:
         thread_study = not quick
     timer = _Timer(budget=0.08 if quick else 0.3, pause=0.05 if quick else 0.25)
@@ -426,9 +426,8 @@ def _run(progress, quick, thread_study):
         steps.append(("thread study", None))
     res = {"single": {}, "server": {}, "server_default": {}, "quick": quick,
            "default_blas_threads": None if default_blas is None else default_blas["num_threads"]}
+    threads.configure(blas_threads=1)
     for i, (label, params) in enumerate(steps):
-        if i == 0:
-            threads.configure(blas_threads=1)
         if progress is not None:
             progress(i, len(steps), label)
         if label == "sgemm peak":
@@ -475,8 +474,8 @@ def bind_cost_setup(rng, n_rows=256, n_adapters=8, rank=16):
     """
     from . import AdapterSet, LoraAdapter, Qwen35Config, apply_lora_rows
     cfg = Qwen35Config.from_dict(QWEN35_0_8B)
-    keys = [(li, m) for li in range(cfg.num_hidden_layers) for m in cfg.modules_for_layer(li)]
-    shapes = {k: cfg.projection_shape(*k) for k in keys}
+    shapes = {(li, m): (d_in, d_out) for li, m, d_in, d_out in cfg.projections()}
+    keys = list(shapes)
     adapters = AdapterSet()
     for i in range(n_adapters):
         adapters.add(f"a{i}", LoraAdapter({k: _layer(rng, *shapes[k], rank) for k in keys}))
@@ -510,7 +509,7 @@ def _bind_cost(rng, rounds):
         fresh.append(pc() - t0)
         bind.append(t1 - t0)
     return {"warm": float(np.median(warm)), "fresh": float(np.median(fresh)),
-            "bind": float(np.median(bind)), "projections": 186}
+            "bind": float(np.median(bind))}
 
 
 def _generate_scenario(quick):

@@ -109,7 +109,7 @@ def run(rounds=7, torch_threads=2, dtype="float32"):
 
     from . import threads
 
-    threads.configure(blas_threads=1)
+    previous = threads.configure(blas_threads=1)
     old = torch.get_num_threads()
     torch.set_num_threads(torch_threads)
     try:
@@ -125,6 +125,7 @@ def run(rounds=7, torch_threads=2, dtype="float32"):
                     times[name].append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(old)
+        threads.configure(blas_threads=previous)
     med = {name: float(np.median(t)) for name, t in times.items()}
     return {
         "median": med,

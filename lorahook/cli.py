@@ -146,16 +146,6 @@ def _describe_model(config):
     return config.describe()
 
 
-def _projections(config):
-    """Every ``(layer_idx, module, d_in, d_out)`` of a model, in layer order."""
-    out = []
-    for layer_idx in range(config.num_layers):
-        for module in config.modules(layer_idx):
-            d_in, d_out = config.projection_shape(layer_idx, module)
-            out.append((layer_idx, module, d_in, d_out))
-    return out
-
-
 # --------------------------------------------------------------------------- info
 
 
@@ -283,7 +273,7 @@ def _demo_adapters(config, rng):
     adapters = {}
     for name, rank, alpha, covers in specs:
         layers = {}
-        for layer_idx, module, d_in, d_out in _projections(config):
+        for layer_idx, module, d_in, d_out in config.projections():
             if not covers(layer_idx, module):
                 continue
             a = rng.standard_normal((rank, d_in)) / math.sqrt(d_in)
@@ -428,7 +418,7 @@ def cmd_demo(args, out):
     w(f"batch     {args.rows} rows: {counts}; per-row scales {_set_text(scales, '{:g}')} "
       f"({sum(1 for s in scales if s == 0.0)} rows at scale 0)\n")
 
-    projections = _projections(config)
+    projections = config.projections()
     xs, bases = [], []
     for layer_idx, module, d_in, d_out in projections:
         x = rng.standard_normal((args.rows, d_in), dtype=np.float32)

@@ -52,6 +52,7 @@ import weakref
 
 from ._batching import _found, batch
 from .adapter import LoraAdapter
+from . import serving
 from .serving import AdapterSet
 
 __all__ = ["batch", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"]
@@ -180,25 +181,12 @@ def multiplexed(adapters, max_num_models_per_replica):
 
 
 def _check_resolver(resolver):
-    if isinstance(resolver, (str, os.PathLike)):
-        path = os.fspath(resolver)
-        if isinstance(path, bytes) or not path:
-            raise TypeError(f"a resolver directory must be a non-empty str path, found "
-                            f"{_found(resolver)}")
-        return path
-    if callable(resolver):
-        return resolver
-    raise TypeError(
-        f"resolver must be a directory of PEFT adapters (str or os.PathLike) or a callable "
-        f"name -> LoraAdapter | path | None, found {_found(resolver)}")
-
-
-def _check_actor_name(name):
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a non-empty str (the actor's name), found {_found(name)}")
-    if not name:
-        raise ValueError("name must be a non-empty str (the actor's name), found ''")
-    return name
+    """A directory or callable resolver, checked as ``AdapterSet`` checks it (``None`` refused)."""
+    checked = serving._check_resolver(resolver)
+    if checked is None:
+        raise TypeError("resolver must be a directory of PEFT adapters (str or os.PathLike) or a "
+                        "callable name -> LoraAdapter | path | None, got None")
+    return checked
 
 
 def _portable_error(exc):
@@ -248,9 +236,8 @@ class _ResolverActor:
                 job = self._loading[name] = _Load()
         if mine:
             try:
-                # A set of its own for each load: the resolver rules of
-                # AdapterSet (safe names, directories, callables), nothing kept.
-                adapter = AdapterSet(resolver=self._resolver).get(name)
+                # the resolver rules of AdapterSet: safe names, directories, callables
+                adapter = serving.resolve(self._resolver, name)
                 nbytes = adapter.nbytes
                 job.ref = ray.put(adapter)
                 del adapter
@@ -298,14 +285,6 @@ _HANDLES = {}
 _HANDLES_LOCK = threading.Lock()
 
 
-def _check_adapter_name(name):
-    if not isinstance(name, str):
-        raise TypeError(f"adapter name must be a non-empty str, found {_found(name)}")
-    if not name:
-        raise ValueError("adapter name must be a non-empty str, found ''")
-    return name
-
-
 class SharedResolver:
     """A resolver whose loads happen once per Ray cluster: see :func:`shared_resolver`.
 
@@ -319,7 +298,7 @@ class SharedResolver:
 
     def __init__(self, resolver, name="lorahook-adapters"):
         self._resolver = _check_resolver(resolver)
-        self._name = _check_actor_name(name)
+        self._name = serving._check_name(name, "name (the actor's name)")
 
     def __reduce__(self):
         return (SharedResolver, (self._resolver, self._name))
@@ -386,7 +365,7 @@ class SharedResolver:
         this process).  Raises what the load raised: ``KeyError`` for an
         unknown name, :class:`~lorahook.LoraFormatError` for a broken one.
         """
-        kind, value = self._call("resolve", _check_adapter_name(name))
+        kind, value = self._call("resolve", serving._check_name(name))
         if kind == "error":
             raise value
         adapter = ray.get(value[0])
@@ -402,7 +381,7 @@ class SharedResolver:
         the copy while anyone maps it); the next first use loads it again --
         how a changed adapter directory is picked up.
         """
-        if not self._call("drop", _check_adapter_name(name)):
+        if not self._call("drop", serving._check_name(name)):
             raise KeyError(f"shared_resolver {self._name!r} holds no adapter named {name!r}")
 
     def stats(self):

@@ -52,11 +52,11 @@ __all__ = ["AdapterSet", "BoundBatch", "BoundSequences"]
 _EMPTY = MappingProxyType({})
 
 
-def _check_name(name):
+def _check_name(name, what="adapter name"):
     if not isinstance(name, str):
-        raise TypeError(f"adapter name must be a str, got {type(name).__name__} ({name!r})")
+        raise TypeError(f"{what} must be a str, got {type(name).__name__} ({name!r})")
     if not name:
-        raise ValueError("adapter name must be a non-empty str, got ''")
+        raise ValueError(f"{what} must be a non-empty str, got ''")
     return name
 
 
@@ -121,6 +121,32 @@ def _load_directory(name, path):
         raise LoraFormatError(f"adapter {name!r}: {os.fspath(path)} is not a PEFT adapter "
                               f"directory: it has no adapter_config.json")
     return LoraAdapter.from_peft(path)
+
+
+def resolve(resolver, name):
+    """The adapter a resolver (SPEC section 9) gives for ``name``, validated by nothing else.
+
+    ``resolver`` is a checked directory path or callable (``_check_resolver``).
+    ``KeyError`` for an unknown or unsafe name, ``LoraFormatError`` for a path that
+    is not a PEFT directory, ``TypeError`` for a callable's wrong answer.
+    """
+    if callable(resolver):
+        found = resolver(name)
+        if found is None:
+            raise KeyError(f"no adapter named {name!r}: the resolver does not know it")
+        if isinstance(found, LoraAdapter):
+            return _check_adapter(name, found)
+        if isinstance(found, (str, os.PathLike)):
+            return _load_directory(name, found)
+        raise TypeError(f"the resolver returned {type(found).__name__} for {name!r}; "
+                        f"expected a LoraAdapter, a path or None")
+    if not _safe_component(name):
+        raise KeyError(f"no adapter named {name!r}: a resolver directory takes names that "
+                       f"are one safe path component (no separators, not '.' or '..')")
+    path = os.path.join(resolver, name)
+    if not os.path.lexists(path):
+        raise KeyError(f"no adapter named {name!r}: {path} does not exist")
+    return _load_directory(name, path)
 
 
 def _nbytes(entries):
@@ -392,7 +418,7 @@ class AdapterSet:
         else:
             start = time.perf_counter()
             try:
-                adapter = self._resolve(name)
+                adapter = resolve(self._resolver, name)
                 if self._model is not None:
                     adapter.validate_against(self._model)
                 job.entry = _Installed(adapter)
@@ -407,26 +433,6 @@ class AdapterSet:
         if job.error is not None:
             raise job.error
         return job
-
-    def _resolve(self, name):
-        resolver = self._resolver
-        if callable(resolver):
-            found = resolver(name)
-            if found is None:
-                raise KeyError(f"no adapter named {name!r}: the resolver does not know it")
-            if isinstance(found, LoraAdapter):
-                return _check_adapter(name, found)
-            if isinstance(found, (str, os.PathLike)):
-                return _load_directory(name, found)
-            raise TypeError(f"the resolver returned {type(found).__name__} for {name!r}; "
-                            f"expected a LoraAdapter, a path or None")
-        if not _safe_component(name):
-            raise KeyError(f"no adapter named {name!r}: a resolver directory takes names that "
-                           f"are one safe path component (no separators, not '.' or '..')")
-        path = os.path.join(resolver, name)
-        if not os.path.lexists(path):
-            raise KeyError(f"no adapter named {name!r}: {path} does not exist")
-        return _load_directory(name, path)
 
     # --- changing the set ------------------------------------------------------
 

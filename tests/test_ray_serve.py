@@ -321,11 +321,11 @@ def test_unknown_adapter_raises_before_ray_hears_of_it():
 
 
 def test_shared_resolver_checks_and_pickles():
-    with pytest.raises(TypeError, match=r"resolver must be a directory .* found int"):
+    with pytest.raises(TypeError, match=r"resolver must be None, a directory .* got int"):
         shared_resolver(3)
-    with pytest.raises(TypeError, match=r"name must be a non-empty str .* found int"):
+    with pytest.raises(TypeError, match=r"name \(the actor's name\) must be a str, got int"):
         shared_resolver("/tmp", name=3)
-    with pytest.raises(ValueError, match=r"name must be a non-empty str .* found ''"):
+    with pytest.raises(ValueError, match=r"name \(the actor's name\) must be a non-empty str, got ''"):
         shared_resolver("/tmp", name="")
     shared = shared_resolver("/some/adapters", name="x")
     back = pickle.loads(pickle.dumps(shared))
@@ -652,9 +652,9 @@ def test_shared_resolver_concurrent_first_uses_drop_close_and_errors(cluster, ad
             shared("no-such-tenant")
         with pytest.raises(LoraFormatError, match="broken"):
             shared("broken")
-        with pytest.raises(ValueError, match=r"adapter name must be a non-empty str, found ''"):
+        with pytest.raises(ValueError, match=r"adapter name must be a non-empty str, got ''"):
             shared("")
-        with pytest.raises(TypeError, match=r"adapter name must be a non-empty str, found int"):
+        with pytest.raises(TypeError, match=r"adapter name must be a str, got int"):
             shared.drop(3)
         stats = shared.stats()
         assert set(stats["loads_by_name"]) == {NAMES[0]}  # failed loads do not count

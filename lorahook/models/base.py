@@ -44,6 +44,15 @@ class ModelGeometry(abc.ABC):
     def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
         """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx``."""
 
+    def modules_for_layer(self, layer_idx: int) -> Tuple[str, ...]:
+        """:meth:`modules` under the name earlier versions used."""
+        return self.modules(layer_idx)
+
+    def projections(self):
+        """Every ``(layer_idx, module, d_in, d_out)`` of the model, in layer order (a new list)."""
+        return [(layer_idx, module) + tuple(self.projection_shape(layer_idx, module))
+                for layer_idx in range(self.num_layers) for module in self.modules(layer_idx)]
+
     @property
     def known_modules(self) -> Tuple[str, ...]:
         """Every module name addressable on some layer, in first-seen order."""

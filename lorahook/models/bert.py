@@ -122,7 +122,6 @@ class BertConfig(ModelGeometry):
         check_layer_index(layer_idx, self.num_hidden_layers, None, "BertConfig")
         return BERT_MODULES
 
-    modules_for_layer = modules
 
     def describe(self) -> str:
         return (f"BERT, hidden {self.hidden_size}, intermediate {self.intermediate_size}, "

@@ -447,7 +447,6 @@ class Qwen35Config(ModelGeometry):
         attention = _ATTENTION_MODULES[self.layer_type(layer_idx)]
         return attention if self.is_moe else attention + QWEN35_MLP_MODULES
 
-    modules_for_layer = modules
 
     def describe(self) -> str:
         kinds: dict = {}
