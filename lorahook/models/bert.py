@@ -17,6 +17,7 @@ from ..errors import LoraValidationError
 from .base import (
     ModelGeometry,
     check_layer_index,
+    check_mapping,
     check_module_type,
     describe_value,
     positive_int,
@@ -78,8 +79,7 @@ class BertConfig(ModelGeometry):
         ``num_hidden_layers``, ``hidden_size`` and ``intermediate_size`` are required;
         other fields are ignored.
         """
-        if not isinstance(config, Mapping):
-            raise TypeError(f"BertConfig.from_dict: expected a mapping, found {describe_value(config)}")
+        check_mapping(config, "BertConfig.from_dict")
         where = "BERT config"
         model_type = config.get("model_type")
         if model_type is not None and model_type != "bert":

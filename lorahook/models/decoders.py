@@ -46,6 +46,7 @@ from ..errors import LoraValidationError
 from .base import (
     ModelGeometry,
     check_layer_index,
+    check_module_type,
     check_mapping,
     describe_value,
     positive_int,
@@ -239,9 +240,7 @@ class _DecoderConfig(ModelGeometry):
     def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
         """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx`` (module docstring)."""
         where = type(self).__name__
-        if not isinstance(module, str):
-            raise TypeError(f"{where}: module name must be a str, found {describe_value(module)} "
-                            f"(layer {layer_idx})")
+        module = check_module_type(module, layer_idx, where)
         layer_idx = check_layer_index(layer_idx, self.num_hidden_layers, module, where)
         H, I = self.hidden_size, self.intermediate_size
         q = self.num_attention_heads * self.head_dim

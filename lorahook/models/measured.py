@@ -8,7 +8,7 @@ from types import MappingProxyType
 from typing import Dict, Tuple
 
 from ..errors import LoraValidationError
-from .base import ModelGeometry, check_layer_index, describe_value
+from .base import ModelGeometry, check_layer_index, check_module_type, describe_value
 
 __all__ = ["MeasuredGeometry"]
 
@@ -77,9 +77,7 @@ class MeasuredGeometry(ModelGeometry):
         return self._by_layer.get(layer_idx, ())
 
     def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
-        if not isinstance(module, str):
-            raise TypeError(f"{self.name}: module name must be a str, found {describe_value(module)} "
-                            f"(layer {layer_idx})")
+        module = check_module_type(module, layer_idx, self.name)
         layer_idx = check_layer_index(layer_idx, self._num_layers, module, self.name)
         shape = self._shapes.get((layer_idx, module))
         if shape is None:

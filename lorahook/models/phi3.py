@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Tuple
 
 from ..errors import LoraValidationError
-from .base import check_layer_index, describe_value
+from .base import check_layer_index, check_module_type
 from .decoders import _DecoderConfig
 from .paths import PathRules
 
@@ -63,9 +63,7 @@ class Phi3Config(_DecoderConfig):
     def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
         """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx`` (module docstring)."""
         where = "Phi3Config"
-        if not isinstance(module, str):
-            raise TypeError(f"{where}: module name must be a str, found {describe_value(module)} "
-                            f"(layer {layer_idx})")
+        module = check_module_type(module, layer_idx, where)
         layer_idx = check_layer_index(layer_idx, self.num_hidden_layers, module, where)
         H, I, h = self.hidden_size, self.intermediate_size, self.head_dim
         Nq, Nkv = self.num_attention_heads, self.num_key_value_heads

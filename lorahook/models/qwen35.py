@@ -43,6 +43,7 @@ from .base import (
     ModelGeometry,
     check_bool,
     check_layer_index,
+    check_mapping,
     check_module_type,
     describe_value,
     positive_int,
@@ -309,8 +310,7 @@ class Qwen35Config(ModelGeometry):
         ``model_type`` the form is inferred: nested when ``text_config`` is present,
         mixture-of-experts when ``num_experts`` is present. Unknown fields are ignored.
         """
-        if not isinstance(config, Mapping):
-            raise TypeError(f"Qwen35Config.from_dict: expected a mapping, found {describe_value(config)}")
+        check_mapping(config, "Qwen35Config.from_dict")
         where = "Qwen3.5 config"
         model_type = config.get("model_type")
         if model_type is not None and model_type not in QWEN35_MODEL_TYPES:
