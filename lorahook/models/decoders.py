@@ -228,33 +228,46 @@ class _DecoderConfig(ModelGeometry):
         """``num_hidden_layers``."""
         return self.num_hidden_layers
 
+    #: The projection names of every layer (a family with fused projections overrides them
+    #: together with :meth:`_shapes` and :meth:`_unknown_hint`).
+    MODULES: ClassVar[Tuple[str, ...]] = DECODER_MODULES
+
     def modules(self, layer_idx: int) -> Tuple[str, ...]:
         """The module names addressable on layer ``layer_idx`` (the same on every layer)."""
         check_layer_index(layer_idx, self.num_hidden_layers, None, type(self).__name__)
-        return DECODER_MODULES
+        return self.MODULES
 
     @property
     def known_modules(self) -> Tuple[str, ...]:
-        return DECODER_MODULES
+        return self.MODULES
+
+    def _shapes(self) -> dict:
+        """``module -> (d_in, d_out)`` of every layer."""
+        H, I = self.hidden_size, self.intermediate_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        return {
+            "q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
+            "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H),
+        }
+
+    @staticmethod
+    def _unknown_hint(module: str) -> str:
+        """Text added to the refusal of an unknown module (e.g. where a fused family put it)."""
+        return ""
 
     def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
         """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx`` (module docstring)."""
         where = type(self).__name__
         module = check_module_type(module, layer_idx, where)
         layer_idx = check_layer_index(layer_idx, self.num_hidden_layers, module, where)
-        H, I = self.hidden_size, self.intermediate_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        shapes = {
-            "q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
-            "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H),
-        }
         try:
-            return shapes[module]
+            return self._shapes()[module]
         except KeyError:
             raise LoraValidationError(
-                f"{where}: layer {layer_idx}, module {module!r}: unknown module for {self.FAMILY}; "
-                f"known modules are {', '.join(DECODER_MODULES)}"
+                f"{where}: layer {layer_idx}, module {module!r}: unknown module for "
+                f"{self.FAMILY}{self._unknown_hint(module)}; known modules are "
+                f"{', '.join(self.MODULES)}"
             ) from None
 
     def describe(self) -> str:

@@ -24,8 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Tuple
 
-from ..errors import LoraValidationError
-from .base import check_layer_index, check_module_type
 from .decoders import _DecoderConfig
 from .paths import PathRules
 
@@ -52,36 +50,22 @@ class Phi3Config(_DecoderConfig):
     HEAD_DIM_ABSENT_DERIVED: ClassVar[bool] = True
     KV_HEADS_ABSENT_DERIVED: ClassVar[bool] = True
 
-    def modules(self, layer_idx: int) -> Tuple[str, ...]:
-        check_layer_index(layer_idx, self.num_hidden_layers, None, "Phi3Config")
-        return PHI3_MODULES
+    MODULES: ClassVar[Tuple[str, ...]] = PHI3_MODULES
 
-    @property
-    def known_modules(self) -> Tuple[str, ...]:
-        return PHI3_MODULES
-
-    def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
-        """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx`` (module docstring)."""
-        where = "Phi3Config"
-        module = check_module_type(module, layer_idx, where)
-        layer_idx = check_layer_index(layer_idx, self.num_hidden_layers, module, where)
+    def _shapes(self) -> dict:
         H, I, h = self.hidden_size, self.intermediate_size, self.head_dim
         Nq, Nkv = self.num_attention_heads, self.num_key_value_heads
-        shapes = {
+        return {
             "qkv_proj": (H, (Nq + 2 * Nkv) * h),
             "o_proj": (Nq * h, H),
             "gate_up_proj": (H, 2 * I),
             "down_proj": (I, H),
         }
-        try:
-            return shapes[module]
-        except KeyError:
-            hint = ""
-            if module in ("q_proj", "k_proj", "v_proj"):
-                hint = " (Phi-3 fuses them into qkv_proj)"
-            elif module in ("gate_proj", "up_proj"):
-                hint = " (Phi-3 fuses them into gate_up_proj)"
-            raise LoraValidationError(
-                f"{where}: layer {layer_idx}, module {module!r}: unknown module for Phi-3{hint}; "
-                f"known modules are {', '.join(PHI3_MODULES)}"
-            ) from None
+
+    @staticmethod
+    def _unknown_hint(module: str) -> str:
+        if module in ("q_proj", "k_proj", "v_proj"):
+            return " (Phi-3 fuses them into qkv_proj)"
+        if module in ("gate_proj", "up_proj"):
+            return " (Phi-3 fuses them into gate_up_proj)"
+        return ""
