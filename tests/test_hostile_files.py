@@ -316,6 +316,53 @@ def test_bad_tensors(tmp_path, case):
         assert_refused(p)
 
 
+def _both_header_checks(tmp_path, blob):
+    """What the field-at-a-time check and the entry-by-entry check say of one file's header."""
+    from lorahook.files import safetensors as st_reader
+    f = tmp_path / "h.safetensors"
+    f.write_bytes(blob)
+    if len(blob) < 8:
+        return None, None
+    (n,) = struct.unpack("<Q", blob[:8])
+    raw, data_len = blob[8:8 + n], len(blob) - 8 - n
+    if n > st_reader.MAX_HEADER_BYTES or data_len < 0:
+        return None, None
+    try:
+        fast = st_reader._well_formed(json.loads(raw.decode("utf-8"), object_pairs_hook=tuple), data_len)
+    except (ValueError, RecursionError):
+        fast = None
+    try:
+        checked = st_reader._checked_header(raw, data_len, str(f))
+    except LoraFormatError:
+        checked = None
+    return fast, checked
+
+
+@pytest.mark.parametrize("case", sorted(HEADER_CASES) + sorted(TENSOR_CASES))
+def test_fast_header_check_accepts_exactly_what_the_full_check_accepts(tmp_path, case):
+    blob = HEADER_CASES[case] if case in HEADER_CASES else st_bytes(*TENSOR_CASES[case])
+    fast, checked = _both_header_checks(tmp_path, blob)
+    assert fast == checked
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["dtype", "shape", "data_offsets", "x"]),
+                          st.one_of(st.sampled_from(["F32", "F16", "I8", "f32"]),
+                                    st.lists(st.integers(-2, 40), max_size=3),
+                                    st.booleans(), st.none(), st.floats(0, 4))),
+                max_size=5),
+       st.integers(0, 3), st.booleans())
+def test_fast_header_check_agrees_on_arbitrary_entries(tmp_path, pairs, tensors, with_meta):
+    body = ", ".join(f'"{k}": {json.dumps(v)}' for k, v in pairs)
+    entries = [f'"t{i}": {{{body}}}' for i in range(tensors)]
+    if with_meta:
+        entries.append('"__metadata__": {"format": "pt"}')
+    raw = ("{" + ", ".join(entries) + "}").encode()
+    for data in (b"", bytes(12), bytes(40)):
+        fast, checked = _both_header_checks(tmp_path, st_bytes(None, data, raw_header=raw))
+        assert fast == checked
+
+
 @pytest.mark.parametrize("dtype,bad", [
     ("F32", np.float32("nan")), ("F32", np.float32("inf")), ("F32", np.float32("-inf")),
     ("F16", np.float16("inf")), ("F16", np.float16("nan")), ("BF16", None),

@@ -312,3 +312,129 @@ def test_rank_0_layers_beside_others_in_a_bare_file(tmp_path, dtype):
     assert adapter.layers[(0, "q_proj")].rank == 0 and adapter.layers[(0, "q_proj")].b.shape == (4, 0)
     np.testing.assert_array_equal(adapter.layers[(1, "q_proj")].b, np.arange(8).reshape(4, 2))
     assert adapter.nbytes == 4 * (2 * 8 + 4 * 2)
+
+
+# --------------------------------------------------------------------------- the core's read plan
+
+# Odd shapes for the transposing tiles (4 x 4, blocks of 16 rows) and their edges.
+ODD_MODULES = [
+    ("model.layers.0.self_attn.q_proj", 7, 37, 5),      # B 37 x 5: neither dimension a multiple of 4
+    ("model.layers.0.self_attn.k_proj", 3, 1, 1),       # B 1 x 1
+    ("model.layers.0.self_attn.v_proj", 5, 16, 3),      # B 16 x 3: one block of 16 rows, 3 columns
+    ("model.layers.1.self_attn.q_proj", 9, 33, 16),     # B 33 x 16: two blocks and a row
+    ("model.layers.1.self_attn.k_proj", 70, 19, 17),    # B 19 x 17: a column beyond the tiles
+]
+
+
+@pytest.mark.parametrize("small", [False, True])
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_odd_shapes_transpose_exactly(tmp_path, monkeypatch, dtype, small):
+    if small:  # every piece of a run a few rows, bounce buffers grown for the widest rows
+        monkeypatch.setattr(st_reader, "_SCRATCH_BYTES", 64)
+        monkeypatch.setattr(st_reader, "_MAX_RUN", 2)
+        monkeypatch.setattr(st_reader, "_RUN_BYTES", 96)
+    write_adapter(tmp_path / "ad", dtype, bias=True, modules=ODD_MODULES, seed=3)
+    adapter = LoraAdapter.from_peft(tmp_path / "ad")
+    truth = independent_read(tmp_path / "ad" / "adapter_model.safetensors")
+    for key, layer in adapter.layers.items():
+        path = adapter.module_paths[key]
+        np.testing.assert_array_equal(layer._bt, truth[f"{PREFIX}{path}.lora_B.weight"].T)
+        np.testing.assert_array_equal(layer.a, truth[f"{PREFIX}{path}.lora_A.weight"])
+        np.testing.assert_array_equal(layer.bias, truth[f"{PREFIX}{path}.lora_B.bias"])
+
+
+@pytest.mark.parametrize("which", ["lora_A", "lora_B"])
+def test_non_finite_float32_counted_exactly(tmp_path, which):
+    # positions on both sides of the 64-value blocks the fast check scans
+    modules = [("model.layers.0.mlp.down_proj", 96, 80, 8)]
+    write_adapter(tmp_path / "ad", "F32", modules=modules)
+    weights = tmp_path / "ad" / "adapter_model.safetensors"
+    tensors, _, start, _ = read_safetensors_header(weights)
+    name = f"{PREFIX}model.layers.0.mlp.down_proj.{which}.weight"
+    blob = bytearray(weights.read_bytes())
+    bad = [0, 63, 64, 127, 500, 639]
+    for i, at in enumerate(bad):
+        word = (0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001)[i % 4]  # +-inf, quiet and signalling NaN
+        offset = start + tensors[name]["data_offsets"][0] + 4 * at
+        blob[offset:offset + 4] = struct.pack("<I", word)
+    # the largest finite magnitude is kept
+    other = f"{PREFIX}model.layers.0.mlp.down_proj.{'lora_B' if which == 'lora_A' else 'lora_A'}.weight"
+    offset = start + tensors[other]["data_offsets"][0]
+    blob[offset:offset + 4] = struct.pack("<I", 0xFF7FFFFF)
+    weights.write_bytes(bytes(blob))
+    with pytest.raises(LoraFormatError, match=rf"tensor '{name}' has {len(bad)} non-finite value\(s\)"):
+        LoraAdapter.from_peft(tmp_path / "ad")
+
+
+def _plan_row(**changes):
+    row = {"offset": 0, "count": 4, "start": 0, "rows": 4, "cols": 1, "kind": 0, "flip": 0}
+    row.update(changes)
+    return list(row.values())
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(count=-1), "plan row 0"),
+    (dict(start=-1), "plan row 0"),
+    (dict(start=7), "plan row 0"),                      # 7 + 4 > 8 values
+    (dict(count=9, rows=9), "plan row 0"),
+    (dict(rows=3), "plan row 0"),                       # rows * cols != count
+    (dict(rows=2, cols=3, flip=1), "plan row 0"),
+    (dict(kind=3), "plan row 0"),
+    (dict(flip=2), "plan row 0"),
+    (dict(offset=-8), "plan row 0"),
+    (dict(count=2**62, rows=2**62), "plan row 0"),
+])
+def test_read_plan_refuses_what_would_write_outside_the_buffer(tmp_path, changes, match):
+    from lorahook import _rows
+    f = tmp_path / "data.bin"
+    f.write_bytes(np.arange(64, dtype="<f4").tobytes())
+    buffer = np.full(8, -1.0, dtype=np.float32)
+    plan = np.array([_plan_row(), _plan_row(**changes)], dtype=np.int64)[1:]
+    with open(f, "rb") as fh, pytest.raises(ValueError, match=match):
+        _rows._read_plan(fh.fileno(), plan, buffer, np.zeros(1, np.int64), 256, 256, 4)
+    assert (buffer == -1).all()
+
+
+def test_read_plan_limits_and_shapes_are_checked(tmp_path):
+    from lorahook import _rows
+    f = tmp_path / "data.bin"
+    f.write_bytes(np.arange(64, dtype="<f4").tobytes())
+    buffer = np.zeros(8, dtype=np.float32)
+    plan = np.array([_plan_row()], dtype=np.int64)
+    with open(f, "rb") as fh:
+        for limits in ((256, 256, 0), (256, 256, 1025), (63, 256, 4), (256, 0, 4)):
+            with pytest.raises(ValueError, match="limits out of range"):
+                _rows._read_plan(fh.fileno(), plan, buffer, np.zeros(1, np.int64), *limits)
+        with pytest.raises(ValueError, match="7 columns"):
+            _rows._read_plan(fh.fileno(), plan[:, :6].copy(), buffer, np.zeros(1, np.int64), 256, 256, 4)
+        with pytest.raises(ValueError, match="one entry per tensor"):
+            _rows._read_plan(fh.fileno(), plan, buffer, np.zeros(2, np.int64), 256, 256, 4)
+        # a transposed tensor read from byte 8: (2, 3) in the file, (3, 2) in the buffer
+        plan = np.array([[8, 6, 1, 2, 3, 0, 1]], dtype=np.int64)
+        bad = np.zeros(1, np.int64)
+        assert _rows._read_plan(fh.fileno(), plan, buffer, bad, 64, 64, 1) == (0, 0)
+        np.testing.assert_array_equal(buffer[1:7], np.arange(2, 8, dtype=np.float32).reshape(2, 3).T.ravel())
+        assert buffer[0] == 0 and buffer[7] == 0 and bad[0] == 0
+        # past the end of the file: the tensor the file ended in
+        plan = np.array([[240, 8, 0, 8, 1, 0, 0]], dtype=np.int64)
+        assert _rows._read_plan(fh.fileno(), plan, buffer, bad, 64, 64, 1) == (1, 0)
+    closed = open(f, "rb")
+    fd = closed.fileno()
+    closed.close()
+    status, err = _rows._read_plan(fd, np.array([_plan_row()], np.int64), buffer, bad, 64, 64, 1)
+    assert status == 2 and err > 0
+
+
+def test_a_tensor_under_two_names_is_refused(tmp_path):
+    from safetensors.numpy import save_file
+    ones = np.ones((2, 8), np.float32)
+    d = tmp_path / "ad"
+    d.mkdir()
+    save_file({f"{PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight": ones,
+               "model.layers.0.self_attn.q_proj.lora_A.weight": 2 * ones,
+               f"{PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight": np.ones((4, 2), np.float32)},
+              str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}))
+    with pytest.raises(LoraFormatError, match="duplicate weights for layer 0 module 'q_proj': tensors"):
+        LoraAdapter.from_peft(d)

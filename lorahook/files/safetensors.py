@@ -4,9 +4,12 @@ The JSON header is parsed and every tensor's byte span (``dtype size * prod(shap
 overlaps and gaps are checked against the file size before any tensor is read, so no
 allocation follows from sizes the file cannot back. Pickle files are never opened. F32,
 F16 and BF16 tensors are widened to float32 by :func:`read_float32`: one buffer per read,
-each value copied once from the file into it (transposed on request), read with the open
-file rather than a memory map, so that a file truncated during a read is an error and not
-a crash.
+each value copied once from the file into it (transposed on request) by the compiled core
+without the GIL, read with ``preadv`` rather than through a memory map, so that a file
+truncated during a read is an error and not a crash.
+
+A well-formed header is checked a field at a time over all entries (:func:`_well_formed`);
+only a header that fails is checked again entry by entry, for a message naming what is wrong.
 
 The ``safetensors`` package checks headers as strictly (it refuses every hostile header of
 the test suite except zero-sized tensors with dimensions beyond 2**31 - 1), but its readers
@@ -119,6 +122,60 @@ def _checked_entry(name: str, info: Any, where: str, data_len: int) -> dict:
     return {"dtype": dtype, "shape": tuple(shape), "data_offsets": (begin, end)}
 
 
+def _well_formed(pairs, data_len: int):
+    """``(tensors, metadata)`` of a header that passes every check, else ``None``.
+
+    ``pairs`` is the header parsed with JSON objects as tuples of ``(key, value)``.
+    The checks of :func:`_checked_header`, done a field at a time over all entries;
+    :func:`read_safetensors_header` runs those, entry by entry and with their messages,
+    only for a header this refuses.
+    """
+    if type(pairs) is not tuple:
+        return None
+    top = dict(pairs)
+    if len(top) != len(pairs):
+        return None
+    meta = top.pop("__metadata__", None)
+    metadata = {} if meta is None else dict(meta) if type(meta) is tuple else None
+    if metadata is None or len(metadata) != len(meta or ()) or set(map(type, metadata.values())) - {str}:
+        return None
+    entries = list(top.values())
+    if set(map(type, entries)) - {tuple}:
+        return None
+    infos = list(map(dict, entries))
+    if list(map(len, infos)) != list(map(len, entries)):
+        return None
+    try:
+        dtypes = [info["dtype"] for info in infos]
+        sizes = [_DTYPE_SIZES[d] for d in dtypes]
+        shapes = [info["shape"] for info in infos]
+        offsets = [info["data_offsets"] for info in infos]
+    except (KeyError, TypeError):
+        return None
+    if set(map(type, dtypes)) - {str} or set(map(type, shapes)) - {list} or set(map(type, offsets)) - {list} \
+            or set(map(len, offsets)) - {2}:
+        return None
+    dims = [d for shape in shapes for d in shape]
+    flat = [o for pair in offsets for o in pair]
+    if set(map(type, dims)) - {int} or set(map(type, flat)) - {int}:
+        return None
+    if dims and (min(dims) < 0 or max(dims) > _MAX_DIM):
+        return None
+    begins, ends = flat[0::2], flat[1::2]
+    if any(e - b != math.prod(shape) * size for b, e, shape, size in zip(begins, ends, shapes, sizes)):
+        return None
+    position = 0
+    for begin, end in sorted(zip(begins, ends)):
+        if begin != position or end < begin:
+            return None
+        position = end
+    if position != data_len:
+        return None
+    tensors = {name: {"dtype": dtype, "shape": tuple(shape), "data_offsets": (begin, end)}
+               for name, dtype, shape, begin, end in zip(top, dtypes, shapes, begins, ends)}
+    return tensors, metadata
+
+
 def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[str, str], int, int]:
     """Parse and validate a safetensors header without reading tensor data.
 
@@ -145,6 +202,19 @@ def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[st
                 f"{file_size - 8} bytes after the length field"
             )
         raw = f.read(header_len)
+    data_start = 8 + header_len
+    data_len = file_size - data_start
+    try:
+        # JSON objects as tuples of pairs: duplicate keys stay visible
+        fast = _well_formed(json.loads(raw.decode("utf-8"), object_pairs_hook=tuple), data_len)
+    except (ValueError, RecursionError):  # UnicodeDecodeError included
+        fast = None
+    tensors, metadata = fast if fast is not None else _checked_header(raw, data_len, where)
+    return tensors, metadata, data_start, file_size
+
+
+def _checked_header(raw: bytes, data_len: int, where: str) -> Tuple[Dict[str, dict], Dict[str, str]]:
+    """:func:`_well_formed` entry by entry, raising :class:`LoraFormatError` for what is wrong."""
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -160,8 +230,6 @@ def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[st
     ):
         raise LoraFormatError(f"{where}: safetensors __metadata__ must map strings to strings")
 
-    data_start = 8 + header_len
-    data_len = file_size - data_start
     tensors: Dict[str, dict] = {}
     for name, info in header.items():
         tensors[name] = _checked_entry(name, info, where, data_len)
@@ -178,7 +246,7 @@ def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[st
         raise LoraFormatError(
             f"{where}: tensor data covers {position} bytes but the file holds {data_len} bytes after the header"
         )
-    return tensors, metadata, data_start, file_size
+    return tensors, metadata
 
 
 # --------------------------------------------------------------------------- reading tensor data
@@ -186,24 +254,12 @@ def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[st
 # Bounce buffer for tensors that are transposed or widened on the way in: a few hundred KiB,
 # so it stays in cache between the read and the conversion.
 _SCRATCH_BYTES = 256 * 1024
+# At most this many pieces, and about this many bytes, per vectored read: the bytes are checked
+# and converted while they are still in cache.
+_MAX_RUN = 512
+_RUN_BYTES = 512 * 1024
 
-_HALF_KINDS = {"F16": "float16", "BF16": "bfloat16"}
-
-
-def _convert(src: np.ndarray, dst: np.ndarray, dtype: str, flip: bool) -> None:
-    """File rows ``src`` (raw bytes viewed with the file's element size) into float32 ``dst``.
-
-    ``flip``: ``src`` is ``(rows, cols)`` and ``dst`` its transpose.  F16 / BF16 are widened
-    by the core's conversions (exact, NaN and infinity kept for the finiteness check).
-    """
-    if dtype == "F32":
-        values = src.view("<f4")
-    elif not flip and dst.flags.c_contiguous:
-        _rows._half_widen(src.view(np.uint16), _HALF_KINDS[dtype], out=dst)
-        return
-    else:
-        values = _rows._half_widen(src.view(np.uint16), _HALF_KINDS[dtype])
-    np.copyto(dst, values.reshape(dst.shape[::-1]).T if flip else values.reshape(dst.shape))
+_KINDS = {"F32": 0, "F16": 1, "BF16": 2}
 
 
 def read_float32(
@@ -221,9 +277,10 @@ def read_float32(
     nothing more than their own ``nbytes``). A name in ``transposed`` must be a 2-D tensor and is
     returned as its transpose, C-contiguous: ``(cols, rows)``. F32 data goes straight from the file
     into that buffer; tensors that are transposed or widened from F16 / BF16 pass through a small
-    bounce buffer that stays in cache. Nothing is allocated before the header is validated against
-    the file (:func:`read_safetensors_header`; ``header`` is what it already returned for ``path``),
-    so the buffer is at most twice the file's size.
+    bounce buffer that stays in cache. The reading, converting and checking run in the compiled
+    core without the GIL. Nothing is allocated before the header is validated against the file
+    (:func:`read_safetensors_header`; ``header`` is what it already returned for ``path``), so the
+    buffer is at most twice the file's size.
 
     With ``finite``, a tensor holding NaN or infinity is refused. Any failure raises
     :class:`LoraFormatError` and returns nothing: the arrays exist only once every tensor is read.
@@ -233,161 +290,56 @@ def read_float32(
     tensors, metadata, data_start, file_size = header
     wanted = list(tensors) if names is None else list(dict.fromkeys(names))
     flip = set(transposed)
+    order = []
     for name in wanted:
         info = tensors[name]
-        if info["dtype"] not in SUPPORTED_DTYPES:
+        kind = _KINDS.get(info["dtype"])
+        if kind is None:
             raise LoraFormatError(
                 f"{path}: tensor {name!r} has dtype {info['dtype']}; expected one of "
                 f"{', '.join(SUPPORTED_DTYPES)}"
             )
-        if name in flip and len(info["shape"]) != 2:
-            raise LoraFormatError(f"{path}: tensor {name!r} must be 2-D, found shape {info['shape']}")
-    order = sorted(wanted, key=lambda n: tensors[n]["data_offsets"])
-    counts = [math.prod(tensors[n]["shape"]) for n in order]
-    # Sizes were checked against the file: the buffer is bounded by it.
-    buffer = np.empty(sum(counts), dtype=np.float32)
-    out: Dict[str, np.ndarray] = {}
-    spans: Dict[str, Tuple[int, int]] = {}
-    start = 0
-    for name, count in zip(order, counts):
-        shape = tensors[name]["shape"]
-        out[name] = buffer[start:start + count].reshape(shape[::-1] if name in flip else shape)
-        spans[name] = (start, start + count)
-        start += count
-
-    reader = _Reader(path, file_size, buffer, spans)
-    with reader:
-        # Runs of tensors that follow each other in the file, read with one system call each.
-        run, run_end, run_bytes = [], None, 0
-        for name, count in zip(order, counts):
-            info = tensors[name]
-            begin, end = info["data_offsets"]
-            nbytes = end - begin
-            direct = info["dtype"] == "F32" and name not in flip
-            fits = direct or nbytes <= _SCRATCH_BYTES
-            if run and (begin != run_end or len(run) >= _MAX_RUN or not fits
-                        or (not direct and reader.bounce_used + nbytes > _SCRATCH_BYTES)
-                        or run_bytes + nbytes > _RUN_BYTES):
-                reader.read_run(run, data_start, out, finite)
-                run, run_bytes = [], 0
-            if fits:
-                run.append((name, info, name in flip, None if direct else reader.reserve(nbytes)))
-                run_end, run_bytes = end, run_bytes + nbytes
-            else:
-                reader.read_in_rows(name, info, data_start, out[name], name in flip, finite)
-        if run:
-            reader.read_run(run, data_start, out, finite)
-    for name in wanted:
-        if name in reader.refused:
-            raise LoraFormatError(f"{path}: tensor {name!r} has {reader.refused[name]} non-finite value(s)")
-    buffer.flags.writeable = False
-    for arr in out.values():
-        arr.flags.writeable = False
-    return {name: out[name] for name in wanted}, metadata
-
-
-# At most this many tensors, and about this many bytes, per vectored read: the bytes are checked
-# and converted while they are still in cache.
-_MAX_RUN = 512
-_RUN_BYTES = 512 * 1024
-
-
-class _Reader:
-    """The file side of :func:`read_float32`: vectored reads, the bounce buffer, conversions."""
-
-    def __init__(self, path, file_size, buffer, spans):
-        self.path, self.file_size = path, file_size
-        self.buffer, self.spans = buffer, spans  # spans: name -> [begin, end) in buffer
-        self.bounce = np.empty(_SCRATCH_BYTES, dtype=np.uint8)
-        self.bounce_used = 0
-        self.refused: Dict[str, int] = {}
-
-    def __enter__(self):
-        self.file = open(self.path, "rb", buffering=0)
-        if os.fstat(self.file.fileno()).st_size != self.file_size:
-            self.file.close()
-            raise LoraFormatError(f"{self.path}: the file changed size while it was being read")
-        return self
-
-    def __exit__(self, *exc):
-        self.file.close()
-
-    def reserve(self, nbytes):
-        view = self.bounce[self.bounce_used:self.bounce_used + nbytes]
-        self.bounce_used += nbytes
-        return view
-
-    def _fill(self, targets, offset):
-        """Fill the byte views ``targets`` from ``offset`` on, or refuse a file that got shorter."""
-        fd = self.file.fileno()
-        pending = [memoryview(t).cast("B") for t in targets if t.nbytes]
-        done = 0
-        os.lseek(fd, offset, os.SEEK_SET)
-        while pending:
-            got = os.readv(fd, pending[:_MAX_RUN]) if _HAVE_READV else self.file.readinto(pending[0])
-            if not got:
-                raise LoraFormatError(
-                    f"{self.path}: the file changed size while it was being read (found {done} bytes "
-                    f"at offset {offset}, expected more)"
-                )
-            done += got
-            while pending and got >= len(pending[0]):
-                got -= len(pending.pop(0))
-            if got:
-                pending[0] = pending[0][got:]
-
-    def read_run(self, run, data_start, out, finite):
-        """Tensors that follow each other in the file (and in the buffer): one read, one check."""
-        self._fill([out[name] if raw is None else raw for name, _, _, raw in run],
-                   data_start + run[0][1]["data_offsets"][0])
-        for name, info, flip, raw in run:
-            if raw is not None:  # through the bounce buffer
-                rows = info["shape"][0] if info["shape"] else 1
-                self._convert_rows(raw, info, out[name], flip, 0, rows)
-        self.bounce_used = 0
-        if finite:
-            # The run's arrays are adjacent in the buffer: check them in one pass, then find
-            # the culprits only if something is not finite.
-            begin, stop = self.spans[run[0][0]][0], self.spans[run[-1][0]][1]
-            if not np.isfinite(self.buffer[begin:stop]).all():
-                for name, *_ in run:
-                    self._check_finite(name, out[name])
-
-    def read_in_rows(self, name, info, data_start, dst, flip, finite):
-        """A tensor larger than the bounce buffer: whole rows of the file's layout at a time."""
         shape = info["shape"]
-        rows = shape[0] if shape else 1
-        row_bytes = (info["data_offsets"][1] - info["data_offsets"][0]) // rows
-        step = max(1, _SCRATCH_BYTES // row_bytes)
-        if self.bounce.nbytes < row_bytes:
-            self.bounce = np.empty(row_bytes, dtype=np.uint8)
-        offset = data_start + info["data_offsets"][0]
-        for first in range(0, rows, step):
-            n = min(step, rows - first)
-            raw = self.bounce[: n * row_bytes]
-            self._fill([raw], offset + first * row_bytes)
-            self._convert_rows(raw, info, dst, flip, first, n)
-        if finite:
-            self._check_finite(name, dst)
-
-    def _check_finite(self, name, arr):
-        bad = arr.size - np.count_nonzero(np.isfinite(arr))
-        if bad:
-            self.refused[name] = int(bad)
-
-    def _convert_rows(self, raw, info, dst, flip, first, n):
-        """Rows ``first : first + n`` of the file's tensor, bytes ``raw``, into float32 ``dst``."""
-        dtype = info["dtype"]
-        src = raw.view(f"<u{_DTYPE_SIZES[dtype]}")
-        if flip:
-            _convert(src, dst[:, first:first + n], dtype, True)
-            return
-        flat = dst.reshape(-1)
-        per_row = flat.size // (info["shape"][0] if info["shape"] else 1) if flat.size else 0
-        _convert(src, flat[first * per_row:(first + n) * per_row], dtype, False)
-
-
-_HAVE_READV = hasattr(os, "readv")
+        flipped = name in flip
+        if flipped and len(shape) != 2:
+            raise LoraFormatError(f"{path}: tensor {name!r} must be 2-D, found shape {shape}")
+        order.append((info["data_offsets"][0], name, shape, kind, flipped))
+    order.sort()
+    # Sizes were checked against the file: the buffer is bounded by it.
+    rows = []
+    out: Dict[str, Tuple[int, int, tuple]] = {}
+    start = 0
+    for begin, name, shape, kind, flipped in order:
+        count = math.prod(shape)
+        rows.append((data_start + begin, count, start, shape[0] if flipped else count,
+                     shape[1] if flipped else 1, kind, flipped))
+        out[name] = (start, count, shape[::-1] if flipped else shape)
+        start += count
+    plan = np.array(rows, dtype=np.int64).reshape(len(rows), 7)
+    buffer = np.empty(start, dtype=np.float32)
+    bad = np.zeros(len(order), dtype=np.int64)
+    with open(path, "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size != file_size:
+            raise LoraFormatError(f"{path}: the file changed size while it was being read")
+        status, detail = _rows._read_plan(f.fileno(), plan, buffer, bad,
+                                          _SCRATCH_BYTES, _RUN_BYTES, _MAX_RUN)
+    if status == 1:
+        raise LoraFormatError(
+            f"{path}: the file changed size while it was being read (it ended inside tensor "
+            f"{order[detail][1]!r})"
+        )
+    if status == 2:
+        raise LoraFormatError(f"{path}: reading failed: {os.strerror(detail)}")
+    if finite and bad.any():
+        culprits = {order[t][1]: int(bad[t]) for t in np.flatnonzero(bad)}
+        name = next(n for n in wanted if n in culprits)
+        raise LoraFormatError(f"{path}: tensor {name!r} has {culprits[name]} non-finite value(s)")
+    buffer.flags.writeable = False
+    arrays = {}
+    for name in wanted:
+        begin, count, shape = out[name]
+        arrays[name] = buffer[begin:begin + count].reshape(shape)
+    return arrays, metadata
 
 
 def read_safetensors(
