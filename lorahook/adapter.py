@@ -25,6 +25,8 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _finite_scale(value, name):
+    if type(value) is float and -_FLOAT32_MAX <= value <= _FLOAT32_MAX:  # the common case
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
     value = float(value)
@@ -171,8 +173,10 @@ class LoraLayer:
         dtype).  They must be native, C-contiguous and read-only.  Shapes, ranks and the
         scale are checked as :class:`LoraLayer` checks them; nothing is copied.
         """
-        dtype = a.dtype if isinstance(a, np.ndarray) and a.dtype.name in _WEIGHT_DTYPES \
-            and a.dtype.isnative else _FLOAT32
+        dtype = getattr(a, "dtype", None)
+        if dtype != _FLOAT32:
+            dtype = dtype if isinstance(a, np.ndarray) and dtype.name in _WEIGHT_DTYPES \
+                and dtype.isnative else _FLOAT32
         _adoptable(a, "a", 2, dtype)
         _adoptable(bt, "b^T", 2, dtype)
         scale = _finite_scale(scale, "scale")
@@ -268,6 +272,9 @@ def _layer_from_pickle(a, bt, scale, bias):
 
 
 def _check_key(key):
+    if type(key) is tuple and len(key) == 2 and type(key[0]) is int and key[0] >= 0 \
+            and type(key[1]) is str and key[1]:  # the common case
+        return key
     if not (isinstance(key, tuple) and len(key) == 2):
         raise TypeError(f"adapter keys must be (layer_idx, module) tuples, got {key!r}")
     layer_idx, module = key
@@ -490,8 +497,10 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
         layers = {}
         for key, item in data.layers.items():
             try:
-                # The reader's arrays are fresh, read-only and finite: kept without a copy.
-                layers[key] = LoraLayer._adopt(item.a, item.b.T, item.scale, item.bias)
+                # The reader's arrays are fresh, read-only, C-contiguous, finite float32 views
+                # with dimensions below 2**31 and its scales finite float32 values (see
+                # lorahook.files.LayerData): kept as they are.  The kernel checks the shapes.
+                layers[key] = LoraLayer._trusted(item.a, item.b.T, item.scale, item.bias)
             except (ValueError, TypeError, OverflowError) as exc:
                 raise LoraFormatError(f"{data.source}: module {item.path!r}: {exc}") from None
         return cls(layers, name=data.name, metadata=data.metadata, module_paths=data.module_paths)

@@ -96,13 +96,14 @@ def _parse_tensors(
     """Group tensor names into per-projection entries ``{key: {"path", "A", "B", "bias"}}``."""
     entries: Dict[Tuple[int, str], dict] = {}
     keys: Dict[str, Tuple[int, str]] = {}  # lora_A and lora_B of a module share its path
+    match = _FACTOR_RE.match
     for name in sorted(file_tensors):
-        m = _FACTOR_RE.match(name)
+        m = match(name)
         if m is None:
             if ignore_velora and "lora_velora_embed" in name.split("."):
                 continue
             raise LoraFormatError(f"{where}: tensor {name!r} is {_classify_non_factor(name)}")
-        path, kind, adapter_name, param = m.group("path", "kind", "adapter", "param")
+        path, kind, adapter_name, param = m.groups()
         if path.startswith(PEFT_PREFIX):
             path = path[len(PEFT_PREFIX):]
         if kind == "lora_A" and param == "bias":
@@ -113,14 +114,21 @@ def _parse_tensors(
                 key = keys[path] = module_key(path)
             except LoraFormatError as exc:
                 raise LoraFormatError(f"{where}: tensor {name!r}: {exc}") from None
-        entry = entries.setdefault(key, {"path": path, "adapter": adapter_name})
-        if entry["path"] != path or entry["adapter"] != adapter_name:
+        entry = entries.get(key)
+        if entry is None:
+            entry = entries[key] = {"path": path, "adapter": adapter_name}
+        elif entry["path"] != path or entry["adapter"] != adapter_name:
             first = entry["path"] + (f" (adapter {entry['adapter']!r})" if entry["adapter"] else "")
             second = path + (f" (adapter {adapter_name!r})" if adapter_name else "")
             raise LoraFormatError(
                 f"{where}: duplicate weights for layer {key[0]} module {key[1]!r}: {first} and {second}"
             )
-        slot = {"lora_A": "A", "lora_B": "B"}[kind] if param == "weight" else "bias"
+        slot = "bias" if param == "bias" else "A" if kind == "lora_A" else "B"
+        if slot in entry:  # the same tensor under two names (with and without the PEFT prefix)
+            raise LoraFormatError(
+                f"{where}: duplicate weights for layer {key[0]} module {key[1]!r}: tensors "
+                f"{entry[slot]!r} and {name!r}"
+            )
         entry[slot] = name
     for key, entry in entries.items():
         for have, need in (("A", "B"), ("B", "A"), ("bias", "B")):

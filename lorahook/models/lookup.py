@@ -8,6 +8,7 @@ for the layout ``save_peft(architecture=...)`` names.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any, Dict, Optional, Tuple
@@ -132,6 +133,7 @@ def _strip(path: str) -> str:
     return path[len(PEFT_PREFIX):] if path.startswith(PEFT_PREFIX) else path
 
 
+@functools.lru_cache(maxsize=8192)  # the paths of a base model recur in every adapter for it
 def place(path: str) -> Optional[Tuple[int, str]]:
     """``(layer_idx, module)`` for a base-model module path any family places, else ``None``.
 
