@@ -7,7 +7,8 @@
  * lorahook_count_nonfinite counts NaNs and infinities by their bits (an
  * exponent of all ones), so the floating-point environment cannot change it.
  * lorahook_transpose writes the row-major (rows, cols) block src into the
- * columns of dst: dst[j * ld + i] = src[i * cols + j], with ld >= rows.
+ * columns of dst: dst[j * ld + i] = src[i * cols + j], with ld >= rows.  Its
+ * stores may bypass the cache (see below); it ends with a store fence then.
  *
  * Both are static, allocate nothing and touch no Python object, so they may be
  * called without the GIL.  The AVX2 paths are compiled for their own target
@@ -73,10 +74,15 @@ LORAHOOK_HALF_FN size_t lorahook_count_nonfinite(const float *x, size_t n) {
    source rows are done four destination rows at a time, so that each of those
    rows gets a whole cache line before the next four are started: destination
    rows a multiple of 4 KiB apart share one L1 set, and sixteen lines filled a
-   little at a time in one set would evict each other. */
+   little at a time in one set would evict each other.  When every line the
+   blocks write is a whole aligned cache line (dst and ld * 4 multiples of 64
+   bytes), the stores bypass the cache: the destination is fresh memory the
+   caller will not read soon, and a cached store would first read each line
+   from memory. */
 LORAHOOK_HALF_FN void lorahook_transpose(const float *src, size_t rows, size_t cols, float *dst, size_t ld) {
     size_t i0 = 0, i, j;
 #if LORAHOOK_HALF_X86
+    const int stream = (uintptr_t)dst % 64 == 0 && ld % 16 == 0;
     for (; i0 + 16 <= rows; i0 += 16) {
         for (j = 0; j + 4 <= cols; j += 4) {
             for (i = i0; i < i0 + 16; i += 4) {
@@ -86,16 +92,25 @@ LORAHOOK_HALF_FN void lorahook_transpose(const float *src, size_t rows, size_t c
                 __m128 r2 = _mm_loadu_ps(s + 2 * cols);
                 __m128 r3 = _mm_loadu_ps(s + 3 * cols);
                 _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
-                _mm_storeu_ps(dst + j * ld + i, r0);
-                _mm_storeu_ps(dst + (j + 1) * ld + i, r1);
-                _mm_storeu_ps(dst + (j + 2) * ld + i, r2);
-                _mm_storeu_ps(dst + (j + 3) * ld + i, r3);
+                if (stream) {
+                    _mm_stream_ps(dst + j * ld + i, r0);
+                    _mm_stream_ps(dst + (j + 1) * ld + i, r1);
+                    _mm_stream_ps(dst + (j + 2) * ld + i, r2);
+                    _mm_stream_ps(dst + (j + 3) * ld + i, r3);
+                } else {
+                    _mm_storeu_ps(dst + j * ld + i, r0);
+                    _mm_storeu_ps(dst + (j + 1) * ld + i, r1);
+                    _mm_storeu_ps(dst + (j + 2) * ld + i, r2);
+                    _mm_storeu_ps(dst + (j + 3) * ld + i, r3);
+                }
             }
         }
         for (; j < cols; j++)
             for (i = i0; i < i0 + 16; i++)
                 dst[j * ld + i] = src[i * cols + j];
     }
+    if (stream)
+        _mm_sfence();  /* the streamed stores are visible before anything that follows */
 #endif
     for (; i0 < rows; i0++)
         for (j = 0; j < cols; j++)

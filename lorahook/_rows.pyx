@@ -1598,6 +1598,63 @@ cdef void _finish_piece(const cnp.int64_t *row, float *buffer, const char *bounc
     lorahook_transpose(src, <size_t>p.take, cols, dst + p.u0, rows)
 
 
+from libc.stdint cimport uintptr_t
+from posix.stdlib cimport posix_memalign
+
+cdef extern from "<sys/mman.h>" nogil:
+    int madvise(void *addr, size_t length, int advice)
+    int MADV_HUGEPAGE
+
+cdef extern from "Python.h":
+    int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size)
+    int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr)
+
+
+cdef class _AlignedBlock:
+    """The memory of one :func:`_aligned_floats` array, freed with the last view of it."""
+    cdef void *ptr
+
+    def __dealloc__(self):
+        if self.ptr != NULL:
+            PyTraceMalloc_Untrack(0, <uintptr_t>self.ptr)
+            free(self.ptr)
+            self.ptr = NULL
+
+    def __reduce__(self):
+        raise TypeError("an aligned block is not pickled (its arrays are)")
+
+
+def _aligned_floats(Py_ssize_t n, bint hugepages):
+    """A new, uninitialised float32 array of ``n`` values starting on a 64-byte boundary.
+
+    What :func:`_read_plan` fills: transposed tensors are written a whole cache
+    line at a time, past the cache, only when their lines are aligned.  With
+    ``hugepages`` the whole pages of a large block are advised as huge pages,
+    as numpy does for its own large arrays.  The array's bytes are exactly
+    ``4 * n``; the block is traced by ``tracemalloc`` like numpy's memory.
+    """
+    cdef void *ptr = NULL
+    cdef size_t size = <size_t>(n if n > 0 else 1) * sizeof(float)
+    cdef uintptr_t first, last
+    cdef cnp.npy_intp dims[1]
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if posix_memalign(&ptr, 64, size) != 0:
+        raise MemoryError(f"cannot allocate {size} bytes")
+    block = _AlignedBlock()
+    block.ptr = ptr
+    PyTraceMalloc_Track(0, <uintptr_t>ptr, size)
+    if hugepages and size >= (<size_t>1 << 22):
+        first = (<uintptr_t>ptr + 4095) & ~(<uintptr_t>4095)
+        last = (<uintptr_t>ptr + size) & ~(<uintptr_t>4095)
+        if last > first:
+            madvise(<void *>first, last - first, MADV_HUGEPAGE)  # advice only: failure is fine
+    dims[0] = n
+    arr = cnp.PyArray_SimpleNewFromData(1, dims, cnp.NPY_FLOAT32, ptr)
+    cnp.set_array_base(arr, block)
+    return arr
+
+
 def _read_plan(int fd, const cnp.int64_t[:, ::1] plan not None, float[::1] buffer not None,
                cnp.int64_t[::1] bad not None, Py_ssize_t bounce_bytes, Py_ssize_t run_bytes,
                int max_run):
@@ -1682,6 +1739,8 @@ def _read_plan(int fd, const cnp.int64_t[:, ::1] plan not None, float[::1] buffe
                 take = room // unit_bytes
                 if take > units - u:
                     take = units - u
+                elif row[_P_FLIP] and take > 16:
+                    take -= take % 16  # whole blocks: transposed pieces keep whole cache lines
                 if take <= 0:
                     if np_:
                         break

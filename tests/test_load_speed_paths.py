@@ -114,7 +114,10 @@ def test_one_buffer_per_load_holding_exactly_nbytes(tmp_path, dtype):
     owners = {id(arr.base) for arr in arrays}
     assert len(owners) == 1, "every array a loaded adapter keeps is a view of one buffer"
     owner = arrays[0].base
-    assert owner.base is None and owner.flags.owndata and owner.dtype == np.float32
+    # the buffer holds memory of its own, on a cache-line boundary
+    from lorahook import _rows
+    assert type(owner.base) is _rows._AlignedBlock and owner.dtype == np.float32
+    assert owner.ctypes.data % 64 == 0
     # the buffer holds the kept arrays and nothing else, without overlaps
     assert owner.nbytes == adapter.nbytes == sum(arr.nbytes for arr in arrays)
     spans = sorted((arr.ctypes.data, arr.ctypes.data + arr.nbytes) for arr in arrays if arr.size)
@@ -438,3 +441,51 @@ def test_a_tensor_under_two_names_is_refused(tmp_path):
         {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}))
     with pytest.raises(LoraFormatError, match="duplicate weights for layer 0 module 'q_proj': tensors"):
         LoraAdapter.from_peft(d)
+
+
+@pytest.mark.parametrize("start", [0, 3, 16])
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 48])
+@pytest.mark.parametrize("cols", [1, 4, 5, 16, 17])
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_read_plan_transposes_at_any_alignment(tmp_path, start, rows, cols, kind):
+    # start 0 and 16 with rows a multiple of 16: whole aligned lines, stored past the cache
+    from lorahook import _rows
+    values = np.random.default_rng(rows * cols + kind).standard_normal((rows, cols)).astype(np.float32)
+    if kind == 0:
+        raw, want = values.astype("<f4").tobytes(), values
+    elif kind == 1:
+        raw, want = values.astype("<f2").tobytes(), values.astype(np.float16).astype(np.float32)
+    else:
+        bits = (values.view(np.uint32) >> 16).astype("<u2")
+        raw, want = bits.tobytes(), (bits.astype(np.uint32) << 16).view(np.float32)
+    f = tmp_path / "t.bin"
+    f.write_bytes(b"\0" * 8 + raw)
+    buffer = _rows._aligned_floats(start + rows * cols + 5, False)
+    buffer[:] = -7
+    bad = np.zeros(1, np.int64)
+    plan = np.array([[8, rows * cols, start, rows, cols, kind, 1]], dtype=np.int64)
+    with open(f, "rb") as fh:
+        assert _rows._read_plan(fh.fileno(), plan, buffer, bad, 64, 256, 3) == (0, 0)
+    np.testing.assert_array_equal(buffer[start:start + rows * cols].reshape(cols, rows), want.T)
+    assert (buffer[:start] == -7).all() and (buffer[start + rows * cols:] == -7).all() and bad[0] == 0
+
+
+def test_aligned_floats():
+    from lorahook import _rows
+    for n, hugepages in ((0, False), (1, True), (1000, False), (2**21, True)):
+        arr = _rows._aligned_floats(n, hugepages)
+        assert arr.shape == (n,) and arr.dtype == np.float32 and arr.flags.writeable
+        assert arr.ctypes.data % 64 == 0 and arr.nbytes == 4 * n
+        arr[:] = 1.5
+        assert arr.sum() == 1.5 * n
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        _rows._aligned_floats(-1, False)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        arr = _rows._aligned_floats(1 << 20, False)
+        assert tracemalloc.get_traced_memory()[0] - before >= 4 << 20
+        del arr
+        assert tracemalloc.get_traced_memory()[0] - before < 4 << 10
+    finally:
+        tracemalloc.stop()

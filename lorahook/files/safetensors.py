@@ -262,6 +262,19 @@ _RUN_BYTES = 512 * 1024
 _KINDS = {"F32": 0, "F16": 1, "BF16": 2}
 
 
+def _numpy_advises_hugepages() -> bool:
+    """Whether numpy advises huge pages for its large arrays (the read's buffer follows it)."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray
+    getter = getattr(multiarray, "_get_madvise_hugepage", None)
+    return bool(getter()) if getter is not None else False
+
+
+_HUGEPAGES = _numpy_advises_hugepages()
+
+
 def read_float32(
     path: os.PathLike,
     names=None,
@@ -316,7 +329,7 @@ def read_float32(
         out[name] = (start, count, shape[::-1] if flipped else shape)
         start += count
     plan = np.array(rows, dtype=np.int64).reshape(len(rows), 7)
-    buffer = np.empty(start, dtype=np.float32)
+    buffer = _rows._aligned_floats(start, _HUGEPAGES)
     bad = np.zeros(len(order), dtype=np.int64)
     with open(path, "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size != file_size:
