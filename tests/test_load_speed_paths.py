@@ -489,3 +489,49 @@ def test_aligned_floats():
         assert tracemalloc.get_traced_memory()[0] - before < 4 << 10
     finally:
         tracemalloc.stop()
+
+
+# --------------------------------------------------------------------------- layouts kept between loads
+
+def test_adapters_of_one_layout_share_the_checked_layout_and_keep_their_own_values(tmp_path):
+    write_adapter(tmp_path / "one", "F32", bias=True, seed=1)
+    write_adapter(tmp_path / "two", "F32", bias=True, seed=2)
+    one_w, two_w = (tmp_path / d / "adapter_model.safetensors" for d in ("one", "two"))
+    h1, h2 = read_safetensors_header(one_w), read_safetensors_header(two_w)
+    assert h1[0] is h2[0], "byte-identical headers share one checked layout"
+    with pytest.raises(TypeError):
+        h1[0]["x"] = {}
+    name = next(iter(h1[0]))
+    with pytest.raises(TypeError):
+        h1[0][name]["dtype"] = "F16"
+    one, two = LoraAdapter.from_peft(tmp_path / "one"), LoraAdapter.from_peft(tmp_path / "two")
+    check_against_independent_read(tmp_path / "one", one, True)
+    check_against_independent_read(tmp_path / "two", two, True)
+    assert not np.array_equal(one.layers[(3, "q_proj")].a, two.layers[(3, "q_proj")].a)
+
+
+def test_refusals_of_one_layout_name_each_file(tmp_path):
+    from safetensors.numpy import save_file
+    paths = []
+    for d in ("first", "second"):
+        f = tmp_path / f"{d}.safetensors"
+        save_file({f"{PREFIX}model.layers.0.mlp.unknown_proj.lora_A.weight": np.ones((2, 4), np.float32),
+                   f"{PREFIX}model.layers.0.mlp.unknown_proj.lora_B.weight": np.ones((4, 2), np.float32)},
+                  str(f))
+        paths.append(f)
+    for f in paths + paths:
+        with pytest.raises(LoraFormatError, match=rf"^{f}: tensor .*unknown_proj"):
+            LoraAdapter.from_safetensors(f)
+
+
+def test_a_malformed_header_is_refused_by_name_every_time(tmp_path):
+    write_adapter(tmp_path / "ad", "F32")
+    weights = tmp_path / "ad" / "adapter_model.safetensors"
+    blob = weights.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    bad = blob[8:8 + n].replace(b'"F32"', b'"F31"', 1)
+    for i in range(3):
+        f = tmp_path / f"bad{i}.safetensors"
+        f.write_bytes(blob[:8] + bad + blob[8 + n:])
+        with pytest.raises(LoraFormatError, match=rf"^{f}: tensor .*unknown dtype 'F31'"):
+            read_safetensors_header(f)

@@ -14,12 +14,14 @@ is checked before any data is returned.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -140,6 +142,20 @@ def _parse_tensors(
     return entries
 
 
+@functools.lru_cache(maxsize=16)  # the tensor names of one layout recur in every adapter of it
+def _known_entries(names: Tuple[str, ...], ignore_velora: bool) -> Mapping[Tuple[int, str], Mapping[str, str]]:
+    """:func:`_parse_tensors` of a set of names, read-only; a refusal is not kept."""
+    entries = _parse_tensors(names, "", ignore_velora)
+    return MappingProxyType({key: MappingProxyType(entry) for key, entry in entries.items()})
+
+
+def _entries(file_tensors: Mapping[str, dict], where: str, ignore_velora: bool):
+    try:
+        return _known_entries(tuple(file_tensors), ignore_velora)
+    except LoraFormatError:  # again, for the message naming this file
+        return _parse_tensors(file_tensors, where, ignore_velora)
+
+
 def _check_factor_shapes(file_tensors: Mapping[str, dict], entry: dict, where: str) -> int:
     a_shape = file_tensors[entry["A"]]["shape"]
     b_shape = file_tensors[entry["B"]]["shape"]
@@ -239,7 +255,7 @@ def read_peft(path: os.PathLike) -> AdapterData:
     header = read_safetensors_header(weights_path)
     file_tensors, file_meta = header[:2]
     where = str(weights_path)
-    entries = _parse_tensors(file_tensors, where, ignore_velora=config.velora)
+    entries = _entries(file_tensors, where, config.velora)
     scales = {}
     for key, entry in entries.items():
         rank = _check_factor_shapes(file_tensors, entry, where)
@@ -301,7 +317,7 @@ def read_safetensors_adapter(path: os.PathLike, alpha: Optional[float] = None) -
                 if not math.isfinite(alpha):
                     raise LoraFormatError(f"{where}: header metadata {k}={file_meta[k]!r} is not finite")
                 break
-    entries = _parse_tensors(file_tensors, where, ignore_velora=False)
+    entries = _entries(file_tensors, where, False)
     scales = {}
     for key, entry in entries.items():
         rank = _check_factor_shapes(file_tensors, entry, where)

@@ -21,10 +21,12 @@ into place are not exposed by ``safe_open``, so the header is parsed here.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
+from types import MappingProxyType
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -179,8 +181,9 @@ def _well_formed(pairs, data_len: int):
 def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[str, str], int, int]:
     """Parse and validate a safetensors header without reading tensor data.
 
-    Returns ``(tensors, metadata, data_start, file_size)`` where ``tensors`` maps each name to a dict
-    with ``dtype``, ``shape`` (tuple) and ``data_offsets`` (tuple) relative to ``data_start``.
+    Returns ``(tensors, metadata, data_start, file_size)`` where ``tensors`` maps each name to a
+    mapping with ``dtype``, ``shape`` (tuple) and ``data_offsets`` (tuple) relative to ``data_start``
+    (read-only mappings: the layouts of recent well-formed headers are kept and shared).
     Everything is checked against the file size first: the header length, each tensor's byte span
     (``dtype size * prod(shape)``), overlaps and gaps. Raises :class:`LoraFormatError`.
     """
@@ -204,13 +207,30 @@ def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[st
         raw = f.read(header_len)
     data_start = 8 + header_len
     data_len = file_size - data_start
+    fast = _known_layout(raw, data_len) if header_len <= _LAYOUT_BYTES else _layout(raw, data_len)
+    tensors, metadata = fast if fast is not None else _checked_header(raw, data_len, where)
+    return tensors, metadata, data_start, file_size
+
+
+def _layout(raw: bytes, data_len: int):
+    """:func:`_well_formed` of a raw header, as read-only mappings, or ``None``."""
     try:
         # JSON objects as tuples of pairs: duplicate keys stay visible
         fast = _well_formed(json.loads(raw.decode("utf-8"), object_pairs_hook=tuple), data_len)
     except (ValueError, RecursionError):  # UnicodeDecodeError included
-        fast = None
-    tensors, metadata = fast if fast is not None else _checked_header(raw, data_len, where)
-    return tensors, metadata, data_start, file_size
+        return None
+    if fast is None:
+        return None
+    tensors, metadata = fast
+    return (MappingProxyType({name: MappingProxyType(info) for name, info in tensors.items()}),
+            MappingProxyType(metadata))
+
+
+# Adapters of one model, rank and targets written by one tool have byte-identical headers:
+# the layouts of the last few headers (up to _LAYOUT_BYTES each) are kept.  A header that is
+# not well-formed is kept only as such: the checks that name the fault and the file run again.
+_LAYOUT_BYTES = 1 << 20
+_known_layout = functools.lru_cache(maxsize=16)(_layout)
 
 
 def _checked_header(raw: bytes, data_len: int, where: str) -> Tuple[Dict[str, dict], Dict[str, str]]:
