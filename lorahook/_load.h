@@ -3,6 +3,7 @@
  *   size_t lorahook_count_nonfinite(const float *x, size_t n);
  *   void   lorahook_transpose(const float *src, size_t rows, size_t cols,
  *                             float *dst, size_t ld);
+ *   void   lorahook_advise_hugepages(void *p, size_t n);
  *
  * lorahook_count_nonfinite counts NaNs and infinities by their bits (an
  * exponent of all ones), so the floating-point environment cannot change it.
@@ -20,6 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #ifndef LORAHOOK_HALF_H
 #error "include _half.h before _load.h"
@@ -28,6 +30,20 @@
 #if LORAHOOK_HALF_X86
 #include <immintrin.h>
 #endif
+
+/* Advise the whole pages of [p, p + n) as huge pages where the OS has such
+   advice (Linux); only advice: nothing happens when it is refused. */
+LORAHOOK_HALF_FN void lorahook_advise_hugepages(void *p, size_t n) {
+#ifdef MADV_HUGEPAGE
+    uintptr_t first = ((uintptr_t)p + 4095) & ~(uintptr_t)4095;
+    uintptr_t last = ((uintptr_t)p + n) & ~(uintptr_t)4095;
+    if (last > first)
+        (void)madvise((void *)first, last - first, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)n;
+#endif
+}
 
 LORAHOOK_HALF_FN size_t lorahook_count_nonfinite_portable(const float *x, size_t n) {
     size_t i, bad = 0;

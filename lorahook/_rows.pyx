@@ -1551,6 +1551,7 @@ from libc.stdlib cimport malloc
 cdef extern from "_load.h" nogil:
     size_t lorahook_count_nonfinite(const float *x, size_t n) noexcept
     void lorahook_transpose(const float *src, size_t rows, size_t cols, float *dst, size_t ld) noexcept
+    void lorahook_advise_hugepages(void *p, size_t n) noexcept
 
 # Columns of a read plan, one row per tensor (see _read_plan).
 cdef enum:
@@ -1601,10 +1602,6 @@ cdef void _finish_piece(const cnp.int64_t *row, float *buffer, const char *bounc
 from libc.stdint cimport uintptr_t
 from posix.stdlib cimport posix_memalign
 
-cdef extern from "<sys/mman.h>" nogil:
-    int madvise(void *addr, size_t length, int advice)
-    int MADV_HUGEPAGE
-
 cdef extern from "Python.h":
     int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size)
     int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr)
@@ -1635,7 +1632,6 @@ def _aligned_floats(Py_ssize_t n, bint hugepages):
     """
     cdef void *ptr = NULL
     cdef size_t size = <size_t>(n if n > 0 else 1) * sizeof(float)
-    cdef uintptr_t first, last
     cdef cnp.npy_intp dims[1]
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -1645,10 +1641,7 @@ def _aligned_floats(Py_ssize_t n, bint hugepages):
     block.ptr = ptr
     PyTraceMalloc_Track(0, <uintptr_t>ptr, size)
     if hugepages and size >= (<size_t>1 << 22):
-        first = (<uintptr_t>ptr + 4095) & ~(<uintptr_t>4095)
-        last = (<uintptr_t>ptr + size) & ~(<uintptr_t>4095)
-        if last > first:
-            madvise(<void *>first, last - first, MADV_HUGEPAGE)  # advice only: failure is fine
+        lorahook_advise_hugepages(ptr, size)
     dims[0] = n
     arr = cnp.PyArray_SimpleNewFromData(1, dims, cnp.NPY_FLOAT32, ptr)
     cnp.set_array_base(arr, block)
