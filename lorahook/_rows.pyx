@@ -1599,12 +1599,18 @@ cdef void _finish_piece(const cnp.int64_t *row, float *buffer, const char *bounc
     lorahook_transpose(src, <size_t>p.take, cols, dst + p.u0, rows)
 
 
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport uintptr_t, INT64_MAX
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from posix.stdlib cimport posix_memalign
 
 cdef extern from "Python.h":
     int PyTraceMalloc_Track(unsigned int domain, uintptr_t ptr, size_t size)
     int PyTraceMalloc_Untrack(unsigned int domain, uintptr_t ptr)
+
+
+# numpy's own tracemalloc domain (``numpy.lib.tracemalloc_domain``): the
+# blocks are counted with numpy's arrays by tracemalloc.
+cdef unsigned int _NUMPY_TRACE_DOMAIN = 389047
 
 
 cdef class _AlignedBlock:
@@ -1613,7 +1619,7 @@ cdef class _AlignedBlock:
 
     def __dealloc__(self):
         if self.ptr != NULL:
-            PyTraceMalloc_Untrack(0, <uintptr_t>self.ptr)
+            PyTraceMalloc_Untrack(_NUMPY_TRACE_DOMAIN, <uintptr_t>self.ptr)
             free(self.ptr)
             self.ptr = NULL
 
@@ -1628,18 +1634,19 @@ def _aligned_floats(Py_ssize_t n, bint hugepages):
     line at a time, past the cache, only when their lines are aligned.  With
     ``hugepages`` the whole pages of a large block are advised as huge pages,
     as numpy does for its own large arrays.  The array's bytes are exactly
-    ``4 * n``; the block is traced by ``tracemalloc`` like numpy's memory.
+    ``4 * n``; the block is traced by ``tracemalloc`` in numpy's domain.
     """
     cdef void *ptr = NULL
-    cdef size_t size = <size_t>(n if n > 0 else 1) * sizeof(float)
+    cdef size_t size
     cdef cnp.npy_intp dims[1]
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    if n < 0 or n > PY_SSIZE_T_MAX // <Py_ssize_t>sizeof(float):
+        raise ValueError(f"n must be in 0..{PY_SSIZE_T_MAX // <Py_ssize_t>sizeof(float)}, got {n}")
+    size = <size_t>(n if n > 0 else 1) * sizeof(float)
     if posix_memalign(&ptr, 64, size) != 0:
         raise MemoryError(f"cannot allocate {size} bytes")
     block = _AlignedBlock()
     block.ptr = ptr
-    PyTraceMalloc_Track(0, <uintptr_t>ptr, size)
+    PyTraceMalloc_Track(_NUMPY_TRACE_DOMAIN, <uintptr_t>ptr, size)
     if hugepages and size >= (<size_t>1 << 22):
         lorahook_advise_hugepages(ptr, size)
     dims[0] = n
@@ -1687,7 +1694,9 @@ def _read_plan(int fd, const cnp.int64_t[:, ::1] plan not None, float[::1] buffe
         if (plan[t, _P_OFFSET] < 0 or count < 0 or rows < 0 or cols < 0
                 or not 0 <= plan[t, _P_KIND] <= 2 or not 0 <= plan[t, _P_FLIP] <= 1
                 or (count != 0 if cols == 0 else (rows != count // cols or count % cols))
-                or start < 0 or start > size or count > size - start):
+                or start < 0 or start > size or count > size - start
+                # count <= size < 2**61: the byte count cannot overflow, the end offset could
+                or plan[t, _P_OFFSET] > INT64_MAX - count * (4 if plan[t, _P_KIND] == 0 else 2)):
             raise ValueError(f"plan row {t} is not a tensor inside a buffer of {size} values: "
                              f"{list(plan[t])}")
         bad[t] = 0

@@ -386,6 +386,8 @@ def _plan_row(**changes):
     (dict(flip=2), "plan row 0"),
     (dict(offset=-8), "plan row 0"),
     (dict(count=2**62, rows=2**62), "plan row 0"),
+    (dict(offset=2**63 - 9), "plan row 0"),            # its end does not fit in an int64
+    (dict(offset=2**63 - 5, kind=1), "plan row 0"),
 ])
 def test_read_plan_refuses_what_would_write_outside_the_buffer(tmp_path, changes, match):
     from lorahook import _rows
@@ -445,10 +447,11 @@ def test_a_tensor_under_two_names_is_refused(tmp_path):
 
 @pytest.mark.parametrize("start", [0, 3, 16])
 @pytest.mark.parametrize("rows", [1, 16, 17, 33, 48])
-@pytest.mark.parametrize("cols", [1, 4, 5, 16, 17])
+@pytest.mark.parametrize("cols", [1, 4, 5, 16, 17, 33])
 @pytest.mark.parametrize("kind", [0, 1, 2])
 def test_read_plan_transposes_at_any_alignment(tmp_path, start, rows, cols, kind):
-    # start 0 and 16 with rows a multiple of 16: whole aligned lines, stored past the cache
+    # start 0 and 16 with rows a multiple of 16: whole aligned lines, stored past the cache;
+    # a file row of more than 64 bytes (17 float32 columns, 33 half ones) grows the bounce buffer
     from lorahook import _rows
     values = np.random.default_rng(rows * cols + kind).standard_normal((rows, cols)).astype(np.float32)
     if kind == 0:
@@ -478,13 +481,17 @@ def test_aligned_floats():
         assert arr.ctypes.data % 64 == 0 and arr.nbytes == 4 * n
         arr[:] = 1.5
         assert arr.sum() == 1.5 * n
-    with pytest.raises(ValueError, match="n must be >= 0"):
-        _rows._aligned_floats(-1, False)
+    for n in (-1, 2**61, 2**63 - 1):
+        with pytest.raises(ValueError, match=r"n must be in 0\.\.2305843009213693951"):
+            _rows._aligned_floats(n, False)
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         arr = _rows._aligned_floats(1 << 20, False)
         assert tracemalloc.get_traced_memory()[0] - before >= 4 << 20
+        numpy_domain = tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)
+        traced = tracemalloc.take_snapshot().filter_traces([numpy_domain]).traces
+        assert any(t.size == 4 << 20 for t in traced)
         del arr
         assert tracemalloc.get_traced_memory()[0] - before < 4 << 10
     finally:
