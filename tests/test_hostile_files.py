@@ -327,10 +327,7 @@ def _both_header_checks(tmp_path, blob):
     raw, data_len = blob[8:8 + n], len(blob) - 8 - n
     if n > st_reader.MAX_HEADER_BYTES or data_len < 0:
         return None, None
-    try:
-        fast = st_reader._well_formed(json.loads(raw.decode("utf-8"), object_pairs_hook=tuple), data_len)
-    except (ValueError, RecursionError):
-        fast = None
+    fast = st_reader._layout(raw, data_len)
     try:
         checked = st_reader._checked_header(raw, data_len, str(f))
     except LoraFormatError:
@@ -338,11 +335,21 @@ def _both_header_checks(tmp_path, blob):
     return fast, checked
 
 
+def _agree(fast, checked):
+    """The field-at-a-time check accepts what the full one accepts, with the same layout;
+    only shapes of many dimensions are left to the full check."""
+    from lorahook.files.safetensors import _FAST_DIMS
+    if fast is None and checked is not None:
+        assert max(len(info["shape"]) for info in checked[0].values()) > _FAST_DIMS
+    else:
+        assert fast == checked
+
+
 @pytest.mark.parametrize("case", sorted(HEADER_CASES) + sorted(TENSOR_CASES))
 def test_fast_header_check_accepts_exactly_what_the_full_check_accepts(tmp_path, case):
     blob = HEADER_CASES[case] if case in HEADER_CASES else st_bytes(*TENSOR_CASES[case])
     fast, checked = _both_header_checks(tmp_path, blob)
-    assert fast == checked
+    _agree(fast, checked)
 
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -360,7 +367,82 @@ def test_fast_header_check_agrees_on_arbitrary_entries(tmp_path, pairs, tensors,
     raw = ("{" + ", ".join(entries) + "}").encode()
     for data in (b"", bytes(12), bytes(40)):
         fast, checked = _both_header_checks(tmp_path, st_bytes(None, data, raw_header=raw))
-        assert fast == checked
+        _agree(fast, checked)
+
+
+# Raw JSON values with objects that may give a key twice (keys drawn from two letters).
+_RAW_JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=3)).map(json.dumps),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3).map(lambda xs: "[" + ", ".join(xs) + "]"),
+        st.lists(st.tuples(st.sampled_from("ab"), inner), max_size=3).map(
+            lambda kv: "{" + ", ".join(f'"{k}": {v}' for k, v in kv) + "}")),
+    max_leaves=6)
+
+
+def _no_repeated_keys(raw):
+    from lorahook.files.safetensors import _reject_duplicate_keys
+    try:
+        json.loads(raw, object_pairs_hook=_reject_duplicate_keys)
+    except ValueError:
+        return False
+    return True
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["F32", "F16", "BF16", "I8", "U64"]),
+                          st.lists(st.integers(0, 3), max_size=3),
+                          st.one_of(st.none(), _RAW_JSON)),
+                max_size=4),
+       st.randoms(use_true_random=False), st.one_of(st.none(), _RAW_JSON), st.integers(-1, 1))
+def test_fast_header_check_agrees_on_generated_layouts(tmp_path, tensors, rng, meta_extra, slack):
+    # contiguous tensors listed in any order, with extra fields holding nested JSON
+    sizes = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U64": 8}
+    fields, position = [], 0
+    for i, (dtype, shape, extra) in enumerate(tensors):
+        end = position + sizes[dtype] * math.prod(shape)
+        text = f'"t{i}": {{"dtype": "{dtype}", "shape": {shape}, "data_offsets": [{position}, {end}]'
+        fields.append(text + (f', "x": {extra}' if extra is not None else "") + "}")
+        position = end
+    rng.shuffle(fields)
+    if meta_extra is not None:
+        fields.append(f'"__metadata__": {{"format": "pt", "more": {meta_extra}}}')
+    raw = "{" + ", ".join(fields) + "}"
+    data_len = max(position + slack, 0)
+    fast, checked = _both_header_checks(tmp_path, st_bytes(None, bytes(data_len), raw_header=raw.encode()))
+    _agree(fast, checked)
+    # every layout the generator means to be valid is accepted by both
+    well_formed = (data_len == position and _no_repeated_keys(raw)
+                   and (meta_extra is None or meta_extra.startswith('"')))
+    assert (checked is not None) == well_formed
+
+
+def test_many_dimensions_are_checked_without_huge_products(tmp_path):
+    from lorahook.files.safetensors import read_safetensors_header
+    ones = {"t": entry("F32", [1] * 20, 0, 4)}
+    f = tmp_path / "ones.safetensors"
+    f.write_bytes(st_bytes(ones, bytes(4)))
+    tensors, _, _, _ = read_safetensors_header(f)
+    assert tensors["t"]["shape"] == (1,) * 20
+    # a million dimensions of 2**31 - 1: an integer of 31 million bits if multiplied out
+    raw = b'{"t": {"dtype": "F32", "shape": [' + b", ".join([b"2147483647"] * 10**6) + b'], "data_offsets": [0, 4]}}'
+    f.write_bytes(st_bytes(None, bytes(4), raw_header=raw))
+    t0 = time.perf_counter()
+    with pytest.raises(LoraFormatError, match="needs more than the 4 bytes of data"):
+        read_safetensors_header(f)
+    assert time.perf_counter() - t0 < TIME_LIMIT
+
+
+@pytest.mark.parametrize("extra", ['{"a": 1, "a": 2}', '[{"a": 1, "a": 2}]', '{"b": {"a": 1, "a": 2}}'])
+def test_a_key_given_twice_in_any_nested_object_is_refused(tmp_path, extra):
+    from lorahook.files.safetensors import read_safetensors_header
+    hdr = json.dumps(valid_header())
+    raw = hdr[:-2] + f', "x": {extra}' + "}}"
+    f = tmp_path / "dup.safetensors"
+    f.write_bytes(st_bytes(None, VALID_DATA, raw_header=raw.encode()))
+    assert json.loads(raw)  # valid JSON apart from the repeated key
+    with pytest.raises(LoraFormatError, match="duplicate key 'a'"):
+        read_safetensors_header(f)
 
 
 @pytest.mark.parametrize("dtype,bad", [

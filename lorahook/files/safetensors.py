@@ -28,7 +28,7 @@ import os
 import struct
 from types import MappingProxyType
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -53,7 +53,8 @@ _DTYPE_SIZES = {
 SUPPORTED_DTYPES = ("F32", "F16", "BF16")
 # Largest dimension accepted in a tensor shape.
 _MAX_DIM = 2**31 - 1
-# Largest finite float32; scales beyond it would turn every update into inf.
+# Shapes of more dimensions than this are checked entry by entry (products bounded as they grow).
+_FAST_DIMS = 8
 
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -79,6 +80,29 @@ def _reject_duplicate_keys(pairs):
                 raise ValueError(f"duplicate key {k!r}")
             seen.add(k)
     return out
+
+
+def _unique_pairs(pairs):
+    """A JSON object as a tuple of ``(key, value)`` pairs; a key given twice is a ValueError."""
+    if len(dict(pairs)) != len(pairs):
+        raise ValueError("duplicate key")
+    return tuple(pairs)
+
+
+def _span(shape, size: int, limit: int) -> Optional[int]:
+    """``size * prod(shape)``, or ``None`` once it exceeds ``limit``.
+
+    Stops as soon as the product passes ``limit``: a header may list millions of
+    dimensions, and their full product would be an integer of millions of bits.
+    """
+    if 0 in shape:
+        return 0
+    total = size
+    for d in shape:
+        total *= d
+        if total > limit:
+            return None
+    return total
 
 
 def _checked_entry(name: str, info: Any, where: str, data_len: int) -> dict:
@@ -111,10 +135,14 @@ def _checked_entry(name: str, info: Any, where: str, data_len: int) -> dict:
             f"{where}: tensor {name!r}: data_offsets [{begin}, {end}] run past the end of the data "
             f"({data_len} bytes)"
         )
-    expected = math.prod(shape) * size
+    expected = _span(shape, size, data_len)
     if end - begin != expected:
+        # the exact count where it is cheap to say, else only that it is too large
+        needs = (f"{expected} bytes" if expected is not None
+                 else f"{short(math.prod(shape) * size)} bytes" if len(shape) <= _FAST_DIMS
+                 else f"more than the {data_len} bytes of data")
         raise LoraFormatError(
-            f"{where}: tensor {name!r}: {dtype} {short(tuple(shape))} needs {short(expected)} bytes but data_offsets "
+            f"{where}: tensor {name!r}: {dtype} {short(tuple(shape))} needs {needs} but data_offsets "
             f"[{begin}, {end}] span {end - begin}"
         )
     if shape and max(shape) > _MAX_DIM:
@@ -127,26 +155,22 @@ def _checked_entry(name: str, info: Any, where: str, data_len: int) -> dict:
 def _well_formed(pairs, data_len: int):
     """``(tensors, metadata)`` of a header that passes every check, else ``None``.
 
-    ``pairs`` is the header parsed with JSON objects as tuples of ``(key, value)``.
-    The checks of :func:`_checked_header`, done a field at a time over all entries;
-    :func:`read_safetensors_header` runs those, entry by entry and with their messages,
-    only for a header this refuses.
+    ``pairs`` is the header parsed with JSON objects as tuples of ``(key, value)``
+    (:func:`_unique_pairs`: no object has a key twice). The checks of :func:`_checked_header`,
+    done a field at a time over all entries; :func:`read_safetensors_header` runs those,
+    entry by entry and with their messages, only for a header this refuses.
     """
     if type(pairs) is not tuple:
         return None
     top = dict(pairs)
-    if len(top) != len(pairs):
-        return None
     meta = top.pop("__metadata__", None)
     metadata = {} if meta is None else dict(meta) if type(meta) is tuple else None
-    if metadata is None or len(metadata) != len(meta or ()) or set(map(type, metadata.values())) - {str}:
+    if metadata is None or set(map(type, metadata.values())) - {str}:
         return None
     entries = list(top.values())
     if set(map(type, entries)) - {tuple}:
         return None
     infos = list(map(dict, entries))
-    if list(map(len, infos)) != list(map(len, entries)):
-        return None
     try:
         dtypes = [info["dtype"] for info in infos]
         sizes = [_DTYPE_SIZES[d] for d in dtypes]
@@ -155,7 +179,7 @@ def _well_formed(pairs, data_len: int):
     except (KeyError, TypeError):
         return None
     if set(map(type, dtypes)) - {str} or set(map(type, shapes)) - {list} or set(map(type, offsets)) - {list} \
-            or set(map(len, offsets)) - {2}:
+            or set(map(len, offsets)) - {2} or (shapes and max(map(len, shapes)) > _FAST_DIMS):
         return None
     dims = [d for shape in shapes for d in shape]
     flat = [o for pair in offsets for o in pair]
@@ -178,12 +202,15 @@ def _well_formed(pairs, data_len: int):
     return tensors, metadata
 
 
-def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[str, str], int, int]:
+def read_safetensors_header(
+    path: os.PathLike,
+) -> Tuple[Mapping[str, Mapping[str, Any]], Dict[str, str], int, int]:
     """Parse and validate a safetensors header without reading tensor data.
 
     Returns ``(tensors, metadata, data_start, file_size)`` where ``tensors`` maps each name to a
     mapping with ``dtype``, ``shape`` (tuple) and ``data_offsets`` (tuple) relative to ``data_start``
-    (read-only mappings: the layouts of recent well-formed headers are kept and shared).
+    (read-only mappings: the layouts of recent well-formed headers are kept and shared) and
+    ``metadata`` is a new dict of the header's ``__metadata__`` strings.
     Everything is checked against the file size first: the header length, each tensor's byte span
     (``dtype size * prod(shape)``), overlaps and gaps. Raises :class:`LoraFormatError`.
     """
@@ -209,14 +236,13 @@ def read_safetensors_header(path: os.PathLike) -> Tuple[Dict[str, dict], Dict[st
     data_len = file_size - data_start
     fast = _known_layout(raw, data_len) if header_len <= _LAYOUT_BYTES else _layout(raw, data_len)
     tensors, metadata = fast if fast is not None else _checked_header(raw, data_len, where)
-    return tensors, metadata, data_start, file_size
+    return tensors, dict(metadata), data_start, file_size
 
 
 def _layout(raw: bytes, data_len: int):
     """:func:`_well_formed` of a raw header, as read-only mappings, or ``None``."""
     try:
-        # JSON objects as tuples of pairs: duplicate keys stay visible
-        fast = _well_formed(json.loads(raw.decode("utf-8"), object_pairs_hook=tuple), data_len)
+        fast = _well_formed(json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs), data_len)
     except (ValueError, RecursionError):  # UnicodeDecodeError included
         return None
     if fast is None:
@@ -372,7 +398,7 @@ def read_float32(
     for name in wanted:
         begin, count, shape = out[name]
         arrays[name] = buffer[begin:begin + count].reshape(shape)
-    return arrays, metadata
+    return arrays, dict(metadata)
 
 
 def read_safetensors(
