@@ -46,7 +46,7 @@ def _forget_layouts():
 
     safetensors._known_layout.cache_clear()
     reader._known_entries.cache_clear()
-    lookup.place.cache_clear()
+    lookup._placed.cache_clear()
 
 
 def _timed(fn):

@@ -190,7 +190,8 @@ class LoraLayer:
 
     @classmethod
     def _trusted(cls, a, bt, scale, bias):
-        # For arrays that already belong to a validated layer: no copy.
+        # For arrays checked as a layer checks them (those of a layer, or what a file reader
+        # returned: lorahook.files.LayerData): no copy, and no check but the kernel's.
         self = cls.__new__(cls)
         self._init(a, bt, float(scale), bias)
         return self
@@ -497,9 +498,8 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
         layers = {}
         for key, item in data.layers.items():
             try:
-                # The reader's arrays are fresh, read-only, C-contiguous, finite float32 views
-                # with dimensions below 2**31 and its scales finite float32 values (see
-                # lorahook.files.LayerData): kept as they are.  The kernel checks the shapes.
+                # Checked by the reader as a layer checks its arrays (lorahook.files.LayerData):
+                # kept as they are; the kernel checks the shapes once more.
                 layers[key] = LoraLayer._trusted(item.a, item.b.T, item.scale, item.bias)
             except (ValueError, TypeError, OverflowError) as exc:
                 raise LoraFormatError(f"{data.source}: module {item.path!r}: {exc}") from None

@@ -542,3 +542,56 @@ def test_a_malformed_header_is_refused_by_name_every_time(tmp_path):
         f.write_bytes(blob[:8] + bad + blob[8 + n:])
         with pytest.raises(LoraFormatError, match=rf"^{f}: tensor .*unknown dtype 'F31'"):
             read_safetensors_header(f)
+
+
+def test_what_loads_keep_is_bounded_and_not_shared_with_callers(tmp_path):
+    from lorahook.files import reader, safetensors
+    from lorahook.files.safetensors import read_float32
+    from lorahook.models import lookup
+
+    write_adapter(tmp_path / "ad", "F32")
+    weights = tmp_path / "ad" / "adapter_model.safetensors"
+    header = read_safetensors_header(weights)
+    assert type(header[1]) is dict
+    header[1]["mine"] = "x"  # the caller's own metadata: the next read does not see it
+    assert "mine" not in read_safetensors_header(weights)[1]
+    _, metadata = read_float32(weights, header=read_safetensors_header(weights))
+    assert type(metadata) is dict
+
+    # module paths longer than any real model's are placed every time, never kept
+    lookup._placed.cache_clear()
+    long_path = "model.layers.0." + "x" * 10_000 + ".q_proj"
+    assert lookup.place(long_path) is None and lookup.place(long_path) is None
+    assert lookup._placed.cache_info().currsize == 0
+    assert lookup.place("model.layers.3.self_attn.q_proj") == (3, "q_proj")
+    assert lookup._placed.cache_info().currsize == 1
+
+    # tensor-name sets beyond the limit are grouped every time, never kept
+    reader._known_entries.cache_clear()
+    names = {f"{PREFIX}model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": {} for i in range(4) for ab in "AB"}
+    assert len(reader._entries(names, "f", False)) == 4
+    assert reader._known_entries.cache_info().currsize == 1
+    reader._known_entries.cache_clear()
+    many = dict(names)
+    many.update({f"{PREFIX}model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": {}
+                 for i in range(4, 4 + reader._KNOWN_NAME_CHARS // 50) for ab in "AB"})
+    assert sum(map(len, many)) > reader._KNOWN_NAME_CHARS
+    assert len(reader._entries(many, "f", False)) == len(many) // 2
+    assert reader._known_entries.cache_info().currsize == 0
+    assert safetensors._known_layout.cache_info().maxsize == 16
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((2, 0), (4, 2)), ((2, 4), (0, 2))])
+def test_a_factor_with_no_inputs_or_outputs_is_refused_by_name(tmp_path, a_shape, b_shape):
+    from safetensors.numpy import save_file
+    d = tmp_path / "ad"
+    d.mkdir()
+    a_name = f"{PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight"
+    save_file({a_name: np.ones(a_shape, np.float32),
+               f"{PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight": np.ones(b_shape, np.float32)},
+              str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}))
+    with pytest.raises(LoraFormatError, match=rf"'{a_name}' is \({a_shape[0]}, {a_shape[1]}\) .*"
+                                              r"d_in \(columns of lora_A\) and d_out \(rows of lora_B\) must be >= 1"):
+        LoraAdapter.from_peft(d)

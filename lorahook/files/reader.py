@@ -44,7 +44,9 @@ class LayerData(NamedTuple):
 
     The arrays are read-only float32 views of one buffer made by the read, holding finite values:
     ``a`` and ``bias`` C-contiguous, ``b`` the transpose of a C-contiguous ``B^T`` ``(rank, d_out)``
-    (so ``b.T`` is the layout the kernels keep)."""
+    (so ``b.T`` is the layout the kernels keep).  Their shapes are checked (ranks agree, ``d_in``
+    and ``d_out`` at least 1, dimensions below 2**31, a bias of ``d_out``) and the scale is a
+    finite float32 value: a layer keeps them as they are."""
 
     a: np.ndarray
     b: np.ndarray
@@ -149,11 +151,18 @@ def _known_entries(names: Tuple[str, ...], ignore_velora: bool) -> Mapping[Tuple
     return MappingProxyType({key: MappingProxyType(entry) for key, entry in entries.items()})
 
 
+# Name sets kept only up to this many characters in all (those of a header the layout cache keeps).
+_KNOWN_NAME_CHARS = 1 << 20
+
+
 def _entries(file_tensors: Mapping[str, dict], where: str, ignore_velora: bool):
-    try:
-        return _known_entries(tuple(file_tensors), ignore_velora)
-    except LoraFormatError:  # again, for the message naming this file
-        return _parse_tensors(file_tensors, where, ignore_velora)
+    names = tuple(file_tensors)
+    if sum(map(len, names)) <= _KNOWN_NAME_CHARS:
+        try:
+            return _known_entries(names, ignore_velora)
+        except LoraFormatError:  # again, for the message naming this file
+            pass
+    return _parse_tensors(file_tensors, where, ignore_velora)
 
 
 def _check_factor_shapes(file_tensors: Mapping[str, dict], entry: dict, where: str) -> int:
@@ -170,6 +179,11 @@ def _check_factor_shapes(file_tensors: Mapping[str, dict], entry: dict, where: s
         raise LoraFormatError(
             f"{where}: ranks disagree for module {entry['path']!r}: {entry['A']!r} is {a_shape} "
             f"(rank {a_shape[0]}) but {entry['B']!r} is {b_shape} (rank {b_shape[1]})"
+        )
+    if a_shape[1] == 0 or b_shape[0] == 0:
+        raise LoraFormatError(
+            f"{where}: module {entry['path']!r}: {entry['A']!r} is {a_shape} and {entry['B']!r} is "
+            f"{b_shape}: d_in (columns of lora_A) and d_out (rows of lora_B) must be >= 1"
         )
     if "bias" in entry:
         bias_shape = file_tensors[entry["bias"]]["shape"]

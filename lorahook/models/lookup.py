@@ -133,18 +133,27 @@ def _strip(path: str) -> str:
     return path[len(PEFT_PREFIX):] if path.startswith(PEFT_PREFIX) else path
 
 
-@functools.lru_cache(maxsize=8192)  # the paths of a base model recur in every adapter for it
 def place(path: str) -> Optional[Tuple[int, str]]:
     """``(layer_idx, module)`` for a base-model module path any family places, else ``None``.
 
     PEFT's ``base_model.model.`` prefix is ignored.
     """
+    return _placed(path) if len(path) <= _KEPT_PATH_CHARS else _place(path)
+
+
+def _place(path: str) -> Optional[Tuple[int, str]]:
     path = _strip(path)
     for rules in PATH_RULES:
         key = rules.place(path)
         if key is not None:
             return key
     return None
+
+
+# The paths of a base model recur in every adapter for it: the places of recent ones are kept
+# (paths of real models are far shorter than the limit; longer ones are placed again each time).
+_KEPT_PATH_CHARS = 256
+_placed = functools.lru_cache(maxsize=8192)(_place)
 
 
 def families_placing(paths) -> Tuple[str, ...]:
