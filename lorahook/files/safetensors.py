@@ -321,6 +321,63 @@ def _numpy_advises_hugepages() -> bool:
 _HUGEPAGES = _numpy_advises_hugepages()
 
 
+def _plan(tensors, data_start: int, wanted: tuple, transposed: tuple):
+    """What :func:`_rows._read_plan` is given to read ``wanted`` of a checked header.
+
+    Returns ``(plan, names in file order, {name: (start, count, shape)}, total values)``;
+    the plan is read-only.  Raises :class:`LoraFormatError` (without the file's name).
+    """
+    flip = set(transposed)
+    order = []
+    for name in wanted:
+        info = tensors[name]
+        kind = _KINDS.get(info["dtype"])
+        if kind is None:
+            raise LoraFormatError(
+                f"tensor {name!r} has dtype {info['dtype']}; expected one of {', '.join(SUPPORTED_DTYPES)}"
+            )
+        shape = info["shape"]
+        flipped = name in flip
+        if flipped and len(shape) != 2:
+            raise LoraFormatError(f"tensor {name!r} must be 2-D, found shape {shape}")
+        order.append((info["data_offsets"][0], name, shape, kind, flipped))
+    order.sort()
+    # Sizes were checked against the file: the buffer is bounded by it.
+    rows = []
+    out: Dict[str, Tuple[int, int, tuple]] = {}
+    start = 0
+    for begin, name, shape, kind, flipped in order:
+        count = math.prod(shape)
+        rows.append((data_start + begin, count, start, shape[0] if flipped else count,
+                     shape[1] if flipped else 1, kind, flipped))
+        out[name] = (start, count, shape[::-1] if flipped else shape)
+        start += count
+    plan = np.array(rows, dtype=np.int64).reshape(len(rows), 7)
+    plan.flags.writeable = False
+    return plan, tuple(item[1] for item in order), out, start
+
+
+class _Same:
+    """A key that is equal only to a key for the same object (which it keeps alive)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return type(other) is _Same and other.obj is self.obj
+
+
+@functools.lru_cache(maxsize=16)  # adapters of one layout are read with one plan
+def _known_plan(layout: _Same, data_start: int, wanted: tuple, transposed: tuple):
+    """:func:`_plan` for a kept (read-only, shared) layout; a refusal is not kept."""
+    return _plan(layout.obj, data_start, wanted, transposed)
+
+
 def read_float32(
     path: os.PathLike,
     names=None,
@@ -347,34 +404,15 @@ def read_float32(
     if header is None:
         header = read_safetensors_header(path)
     tensors, metadata, data_start, file_size = header
-    wanted = list(tensors) if names is None else list(dict.fromkeys(names))
-    flip = set(transposed)
-    order = []
-    for name in wanted:
-        info = tensors[name]
-        kind = _KINDS.get(info["dtype"])
-        if kind is None:
-            raise LoraFormatError(
-                f"{path}: tensor {name!r} has dtype {info['dtype']}; expected one of "
-                f"{', '.join(SUPPORTED_DTYPES)}"
-            )
-        shape = info["shape"]
-        flipped = name in flip
-        if flipped and len(shape) != 2:
-            raise LoraFormatError(f"{path}: tensor {name!r} must be 2-D, found shape {shape}")
-        order.append((info["data_offsets"][0], name, shape, kind, flipped))
-    order.sort()
-    # Sizes were checked against the file: the buffer is bounded by it.
-    rows = []
-    out: Dict[str, Tuple[int, int, tuple]] = {}
-    start = 0
-    for begin, name, shape, kind, flipped in order:
-        count = math.prod(shape)
-        rows.append((data_start + begin, count, start, shape[0] if flipped else count,
-                     shape[1] if flipped else 1, kind, flipped))
-        out[name] = (start, count, shape[::-1] if flipped else shape)
-        start += count
-    plan = np.array(rows, dtype=np.int64).reshape(len(rows), 7)
+    wanted = tuple(tensors) if names is None else tuple(dict.fromkeys(names))
+    flip = tuple(transposed)
+    try:
+        if type(tensors) is MappingProxyType:  # a kept layout: its plan is kept with it
+            plan, order, out, start = _known_plan(_Same(tensors), data_start, wanted, flip)
+        else:
+            plan, order, out, start = _plan(tensors, data_start, wanted, flip)
+    except LoraFormatError as exc:
+        raise LoraFormatError(f"{path}: {exc}") from None
     buffer = _rows._aligned_floats(start, _HUGEPAGES)
     bad = np.zeros(len(order), dtype=np.int64)
     with open(path, "rb", buffering=0) as f:
@@ -385,12 +423,12 @@ def read_float32(
     if status == 1:
         raise LoraFormatError(
             f"{path}: the file changed size while it was being read (it ended inside tensor "
-            f"{order[detail][1]!r})"
+            f"{order[detail]!r})"
         )
     if status == 2:
         raise LoraFormatError(f"{path}: reading failed: {os.strerror(detail)}")
     if finite and bad.any():
-        culprits = {order[t][1]: int(bad[t]) for t in np.flatnonzero(bad)}
+        culprits = {order[t]: int(bad[t]) for t in np.flatnonzero(bad)}
         name = next(n for n in wanted if n in culprits)
         raise LoraFormatError(f"{path}: tensor {name!r} has {culprits[name]} non-finite value(s)")
     buffer.flags.writeable = False
