@@ -595,3 +595,56 @@ def test_a_factor_with_no_inputs_or_outputs_is_refused_by_name(tmp_path, a_shape
     with pytest.raises(LoraFormatError, match=rf"'{a_name}' is \({a_shape[0]}, {a_shape[1]}\) .*"
                                               r"d_in \(columns of lora_A\) and d_out \(rows of lora_B\) must be >= 1"):
         LoraAdapter.from_peft(d)
+
+
+def test_reads_of_one_kept_layout_share_a_plan_and_refuse_by_file(tmp_path):
+    from safetensors.numpy import save_file
+    from lorahook.files import safetensors as st_reader
+    rng = np.random.default_rng(5)
+    values = []
+    for i in range(2):
+        t = {"x": rng.standard_normal((3, 5)).astype(np.float32), "n": np.arange(4, dtype=np.int8)}
+        save_file(t, str(tmp_path / f"{i}.safetensors"))
+        values.append(t)
+    st_reader._known_plan.cache_clear()
+    for i in range(2):
+        f = tmp_path / f"{i}.safetensors"
+        arrays, _ = st_reader.read_float32(f, ["x"], transposed=["x"])
+        np.testing.assert_array_equal(arrays["x"], values[i]["x"].T)
+        with pytest.raises(LoraFormatError, match=rf"^{f}: tensor 'n' has dtype I8"):
+            st_reader.read_float32(f, ["x", "n"])
+    info = st_reader._known_plan.cache_info()
+    assert (info.hits, info.currsize) == (1, 1)
+
+
+def test_scales_of_one_layout_and_config_are_shared_and_refusals_name_each_file(tmp_path):
+    from lorahook.files import reader
+    reader._KEPT_SCALES.clear()
+    for d in ("one", "two"):
+        write_adapter(tmp_path / d, "F32", seed=len(d))
+    one, two = LoraAdapter.from_peft(tmp_path / "one"), LoraAdapter.from_peft(tmp_path / "two")
+    assert len(reader._KEPT_SCALES) == 1
+    check_against_independent_read(tmp_path / "one", one, False)
+    check_against_independent_read(tmp_path / "two", two, False)
+    ranks = {path: rank for path, _, _, rank in MODULES}
+    for adapter in (one, two):
+        for key, layer in adapter.layers.items():
+            assert layer.scale == 16 / ranks[adapter.module_paths[key]]  # lora_alpha / r
+    # the same tensors under another config: its own scales
+    cfg = json.loads((tmp_path / "two" / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = 4
+    (tmp_path / "two" / "adapter_config.json").write_text(json.dumps(cfg))
+    quarter = LoraAdapter.from_peft(tmp_path / "two")
+    assert len(reader._KEPT_SCALES) == 2
+    for key, layer in quarter.layers.items():
+        assert layer.scale == pytest.approx(two.layers[key].scale / 4)
+    # a config the tensors do not fit: refused naming each file, nothing kept
+    for d in ("one", "two"):
+        cfg = json.loads((tmp_path / d / "adapter_config.json").read_text())
+        cfg["rank_pattern"] = {}
+        (tmp_path / d / "adapter_config.json").write_text(json.dumps(cfg))
+    for d in ("one", "two", "one"):
+        weights = tmp_path / d / "adapter_model.safetensors"
+        with pytest.raises(LoraFormatError, match=rf"^{weights}: module .* has rank \d+ in its tensors"):
+            LoraAdapter.from_peft(tmp_path / d)
+    assert len(reader._KEPT_SCALES) == 2

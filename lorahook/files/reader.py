@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -29,7 +30,7 @@ import numpy as np
 from ..errors import LoraFormatError
 from ..models import PEFT_PREFIX, module_key
 from .peft_config import CONFIG_NAME, PeftLoraConfig, check_scale, finite_number
-from .safetensors import read_float32, read_safetensors_header, short
+from .safetensors import _Same, read_float32, read_safetensors_header, short
 
 __all__ = ["read_peft", "read_safetensors_adapter", "AdapterData", "LayerData",
            "WEIGHTS_NAME", "PICKLE_NAMES"]
@@ -221,6 +222,55 @@ def _collect(
     return AdapterData(layers, name=name, metadata=metadata, source=str(weights_path))
 
 
+def _checked_scales(file_tensors, entries, config: PeftLoraConfig, where: str) -> Dict[Tuple[int, str], float]:
+    """Each entry's scale, once its shapes, rank and bias agree with the config (else raises)."""
+    scales = {}
+    for key, entry in entries.items():
+        rank = _check_factor_shapes(file_tensors, entry, where)
+        reason = config.targets(entry["path"], key[0])
+        if reason is not None:
+            raise LoraFormatError(
+                f"{where}: LoRA weights for module {entry['path']!r}, but {reason}; PEFT would ignore them"
+            )
+        if "bias" in entry and not config.lora_bias:
+            raise LoraFormatError(
+                f"{where}: tensor {entry['bias']!r} is a lora_B bias but the config has lora_bias=false"
+            )
+        if config.lora_bias and "bias" not in entry:
+            raise LoraFormatError(
+                f"{where}: the config has lora_bias=true but module {entry['path']!r} has no lora_B bias tensor"
+            )
+        r, scale = config.rank_and_scale(entry["path"])
+        if r != rank:
+            raise LoraFormatError(
+                f"{where}: module {entry['path']!r} has rank {rank} in its tensors but the config gives r={r}"
+                f" (from r / rank_pattern)"
+            )
+        scales[key] = scale
+    return scales
+
+
+# Adapters of one layout and one config get the same scales: those of the last few pairs of a
+# kept layout and a config of up to _KEPT_CONFIG_BYTES are kept.
+_KEPT_CONFIG_BYTES = 1 << 16
+_KEPT_SCALES: Dict[tuple, Mapping[Tuple[int, str], float]] = {}
+_KEPT_SCALES_LOCK = threading.Lock()
+
+
+def _kept_scales(file_tensors, raw_config: bytes, entries, config: PeftLoraConfig, where: str):
+    if type(file_tensors) is not MappingProxyType or len(raw_config) > _KEPT_CONFIG_BYTES:
+        return _checked_scales(file_tensors, entries, config, where)
+    key = (_Same(file_tensors), raw_config)
+    scales = _KEPT_SCALES.get(key)
+    if scales is None:
+        scales = MappingProxyType(_checked_scales(file_tensors, entries, config, where))
+        with _KEPT_SCALES_LOCK:
+            _KEPT_SCALES[key] = scales
+            while len(_KEPT_SCALES) > 16:
+                del _KEPT_SCALES[next(iter(_KEPT_SCALES))]
+    return scales
+
+
 def _file_metadata(metadata: Mapping[str, str]) -> Dict[str, str]:
     return {k: v for k, v in metadata.items() if k != "format"}
 
@@ -261,7 +311,8 @@ def read_peft(path: os.PathLike) -> AdapterData:
         raise LoraFormatError(f"{directory}: no {WEIGHTS_NAME}")
     try:
         with open(config_path, "rb") as f:
-            raw = json.loads(f.read().decode("utf-8"))
+            raw_config = f.read()
+        raw = json.loads(raw_config.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise LoraFormatError(f"{config_path}: not valid JSON: {exc!r}"[:500]) from None
     config = PeftLoraConfig(raw, str(config_path))
@@ -270,29 +321,7 @@ def read_peft(path: os.PathLike) -> AdapterData:
     file_tensors, file_meta = header[:2]
     where = str(weights_path)
     entries = _entries(file_tensors, where, config.velora)
-    scales = {}
-    for key, entry in entries.items():
-        rank = _check_factor_shapes(file_tensors, entry, where)
-        reason = config.targets(entry["path"], key[0])
-        if reason is not None:
-            raise LoraFormatError(
-                f"{where}: LoRA weights for module {entry['path']!r}, but {reason}; PEFT would ignore them"
-            )
-        if "bias" in entry and not config.lora_bias:
-            raise LoraFormatError(
-                f"{where}: tensor {entry['bias']!r} is a lora_B bias but the config has lora_bias=false"
-            )
-        if config.lora_bias and "bias" not in entry:
-            raise LoraFormatError(
-                f"{where}: the config has lora_bias=true but module {entry['path']!r} has no lora_B bias tensor"
-            )
-        r, scale = config.rank_and_scale(entry["path"])
-        if r != rank:
-            raise LoraFormatError(
-                f"{where}: module {entry['path']!r} has rank {rank} in its tensors but the config gives r={r}"
-                f" (from r / rank_pattern)"
-            )
-        scales[key] = scale
+    scales = _kept_scales(file_tensors, raw_config, entries, config, where)
 
     metadata = _file_metadata(file_meta)
     if config.base_model and "base_model" not in metadata and isinstance(config.base_model, str):
