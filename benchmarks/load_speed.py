@@ -40,14 +40,12 @@ def _weights(directory):
 
 
 def _forget_layouts():
-    """Clear what loads keep of the layouts they have seen (header, read plan, names, scales, module paths)."""
+    """Clear what loads keep of the layouts they have seen (header, read plan, scales, names, module paths)."""
     from lorahook.files import reader, safetensors
     from lorahook.models import lookup
 
-    safetensors._known_layout.cache_clear()
-    safetensors._known_plan.cache_clear()
+    safetensors._forget_layouts()
     reader._known_entries.cache_clear()
-    reader._KEPT_SCALES.clear()
     lookup._placed.cache_clear()
 
 

@@ -79,11 +79,12 @@ LORAHOOK_HALF_FN size_t lorahook_count_nonfinite_avx2(const float *x, size_t n) 
 #endif
 
 /* Follows the widening's active path: with the portable one chosen (as tests
-   do to check it), the count is portable too.  Every CPU with the AVX-512
-   path also runs AVX2. */
+   do to check it), the count is portable too; otherwise AVX2 where the CPU
+   has it. */
 LORAHOOK_HALF_FN size_t lorahook_count_nonfinite(const float *x, size_t n) {
 #if LORAHOOK_HALF_X86
-    if (lorahook_half_path() != LORAHOOK_HALF_PORTABLE)
+    if (lorahook_half_path() != LORAHOOK_HALF_PORTABLE &&
+        (lorahook_half_supported() & (1 << LORAHOOK_HALF_AVX2)))
         return lorahook_count_nonfinite_avx2(x, n);
 #endif
     return lorahook_count_nonfinite_portable(x, n);

@@ -10,6 +10,7 @@ import json
 import pickle
 import struct
 import tracemalloc
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -545,8 +546,7 @@ def test_a_malformed_header_is_refused_by_name_every_time(tmp_path):
 
 
 def test_what_loads_keep_is_bounded_and_not_shared_with_callers(tmp_path):
-    from lorahook.files import reader, safetensors
-    from lorahook.files.safetensors import read_float32
+    from lorahook.files import reader
     from lorahook.models import lookup
 
     write_adapter(tmp_path / "ad", "F32")
@@ -578,7 +578,6 @@ def test_what_loads_keep_is_bounded_and_not_shared_with_callers(tmp_path):
     assert sum(map(len, many)) > reader._KNOWN_NAME_CHARS
     assert len(reader._entries(many, "f", False)) == len(many) // 2
     assert reader._known_entries.cache_info().currsize == 0
-    assert safetensors._known_layout.cache_info().maxsize == 16
 
 
 @pytest.mark.parametrize("a_shape, b_shape", [((2, 0), (4, 2)), ((2, 4), (0, 2))])
@@ -599,31 +598,38 @@ def test_a_factor_with_no_inputs_or_outputs_is_refused_by_name(tmp_path, a_shape
 
 def test_reads_of_one_kept_layout_share_a_plan_and_refuse_by_file(tmp_path):
     from safetensors.numpy import save_file
-    from lorahook.files import safetensors as st_reader
     rng = np.random.default_rng(5)
     values = []
     for i in range(2):
         t = {"x": rng.standard_normal((3, 5)).astype(np.float32), "n": np.arange(4, dtype=np.int8)}
         save_file(t, str(tmp_path / f"{i}.safetensors"))
         values.append(t)
-    st_reader._known_plan.cache_clear()
+    st_reader._forget_layouts()
     for i in range(2):
         f = tmp_path / f"{i}.safetensors"
         arrays, _ = st_reader.read_float32(f, ["x"], transposed=["x"])
         np.testing.assert_array_equal(arrays["x"], values[i]["x"].T)
         with pytest.raises(LoraFormatError, match=rf"^{f}: tensor 'n' has dtype I8"):
             st_reader.read_float32(f, ["x", "n"])
-    info = st_reader._known_plan.cache_info()
-    assert (info.hits, info.currsize) == (1, 1)
+    (kept,) = st_reader._kept_by_header.values()
+    assert list(kept.derived) == [("plan", kept_start(tmp_path / "0.safetensors"), ("x",), ("x",))]
+
+
+def kept_start(path):
+    return read_safetensors_header(path)[2]
 
 
 def test_scales_of_one_layout_and_config_are_shared_and_refusals_name_each_file(tmp_path):
-    from lorahook.files import reader
-    reader._KEPT_SCALES.clear()
+    st_reader._forget_layouts()
+
+    def kept_scales():
+        (kept,) = st_reader._kept_by_header.values()
+        return [key for key in kept.derived if key[0] == "scales"]
+
     for d in ("one", "two"):
         write_adapter(tmp_path / d, "F32", seed=len(d))
     one, two = LoraAdapter.from_peft(tmp_path / "one"), LoraAdapter.from_peft(tmp_path / "two")
-    assert len(reader._KEPT_SCALES) == 1
+    assert len(kept_scales()) == 1
     check_against_independent_read(tmp_path / "one", one, False)
     check_against_independent_read(tmp_path / "two", two, False)
     ranks = {path: rank for path, _, _, rank in MODULES}
@@ -635,7 +641,7 @@ def test_scales_of_one_layout_and_config_are_shared_and_refusals_name_each_file(
     cfg["lora_alpha"] = 4
     (tmp_path / "two" / "adapter_config.json").write_text(json.dumps(cfg))
     quarter = LoraAdapter.from_peft(tmp_path / "two")
-    assert len(reader._KEPT_SCALES) == 2
+    assert len(kept_scales()) == 2
     for key, layer in quarter.layers.items():
         assert layer.scale == pytest.approx(two.layers[key].scale / 4)
     # a config the tensors do not fit: refused naming each file, nothing kept
@@ -647,4 +653,43 @@ def test_scales_of_one_layout_and_config_are_shared_and_refusals_name_each_file(
         weights = tmp_path / d / "adapter_model.safetensors"
         with pytest.raises(LoraFormatError, match=rf"^{weights}: module .* has rank \d+ in its tensors"):
             LoraAdapter.from_peft(tmp_path / d)
-    assert len(reader._KEPT_SCALES) == 2
+    assert len(kept_scales()) == 2
+
+
+def test_only_kept_layouts_keep_what_loads_derive(tmp_path):
+    st_reader._forget_layouts()
+    # a header over the kept size: loaded again and again, nothing of it stays
+    names = [f"{PREFIX}model.layers.{i}.mlp.down_proj" for i in range(4)]
+    pad = "p" * (st_reader._LAYOUT_BYTES + 10)
+    tensors = {}
+    for n in names:
+        tensors[f"{n}.lora_A.weight"] = np.ones((2, 8), np.float32)
+        tensors[f"{n}.lora_B.weight"] = np.ones((8, 2), np.float32)
+    d = tmp_path / "big"
+    d.mkdir()
+    safetensors.serialize_file(
+        {k: safetensors.TensorSpec(dtype="float32", shape=list(v.shape), data_ptr=v.ctypes.data, data_len=v.nbytes)
+         for k, v in tensors.items()}, str(d / "adapter_model.safetensors"), metadata={"pad": pad})
+    (d / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["down_proj"]}))
+    for _ in range(3):
+        adapter = LoraAdapter.from_peft(d)
+        assert adapter.num_adapted_layers == 4
+    assert not st_reader._kept_by_header and not st_reader._kept_by_id
+    # a read-only mapping made by a caller is read afresh each time, never kept
+    write_adapter(tmp_path / "ad", "F32")
+    weights = tmp_path / "ad" / "adapter_model.safetensors"
+    st_reader._forget_layouts()
+    tensors, metadata, start, size = read_safetensors_header(weights)
+    st_reader._forget_layouts()
+    mine = {name: dict(info) for name, info in tensors.items()}
+    a_name, b_name = sorted(n for n in mine if n.endswith("in_proj_a.lora_A.weight") or
+                            n.endswith("in_proj_a.lora_B.weight"))
+    header = (MappingProxyType(mine), metadata, start, size)
+    first, _ = st_reader.read_float32(weights, [a_name], header=header)
+    mine[a_name] = dict(mine[b_name])  # the same name, now pointing at lora_B's bytes
+    second, _ = st_reader.read_float32(weights, [a_name], header=header)
+    truth = independent_read(weights)
+    np.testing.assert_array_equal(first[a_name], truth[a_name])
+    np.testing.assert_array_equal(second[a_name], truth[b_name])
+    assert not st_reader._kept_by_id

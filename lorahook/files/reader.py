@@ -19,7 +19,6 @@ import json
 import math
 import os
 import re
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -30,7 +29,7 @@ import numpy as np
 from ..errors import LoraFormatError
 from ..models import PEFT_PREFIX, module_key
 from .peft_config import CONFIG_NAME, PeftLoraConfig, check_scale, finite_number
-from .safetensors import _Same, read_float32, read_safetensors_header, short
+from .safetensors import kept_derived, read_float32, read_safetensors_header, short
 
 __all__ = ["read_peft", "read_safetensors_adapter", "AdapterData", "LayerData",
            "WEIGHTS_NAME", "PICKLE_NAMES"]
@@ -250,25 +249,7 @@ def _checked_scales(file_tensors, entries, config: PeftLoraConfig, where: str) -
     return scales
 
 
-# Adapters of one layout and one config get the same scales: those of the last few pairs of a
-# kept layout and a config of up to _KEPT_CONFIG_BYTES are kept.
 _KEPT_CONFIG_BYTES = 1 << 16
-_KEPT_SCALES: Dict[tuple, Mapping[Tuple[int, str], float]] = {}
-_KEPT_SCALES_LOCK = threading.Lock()
-
-
-def _kept_scales(file_tensors, raw_config: bytes, entries, config: PeftLoraConfig, where: str):
-    if type(file_tensors) is not MappingProxyType or len(raw_config) > _KEPT_CONFIG_BYTES:
-        return _checked_scales(file_tensors, entries, config, where)
-    key = (_Same(file_tensors), raw_config)
-    scales = _KEPT_SCALES.get(key)
-    if scales is None:
-        scales = MappingProxyType(_checked_scales(file_tensors, entries, config, where))
-        with _KEPT_SCALES_LOCK:
-            _KEPT_SCALES[key] = scales
-            while len(_KEPT_SCALES) > 16:
-                del _KEPT_SCALES[next(iter(_KEPT_SCALES))]
-    return scales
 
 
 def _file_metadata(metadata: Mapping[str, str]) -> Dict[str, str]:
@@ -321,7 +302,11 @@ def read_peft(path: os.PathLike) -> AdapterData:
     file_tensors, file_meta = header[:2]
     where = str(weights_path)
     entries = _entries(file_tensors, where, config.velora)
-    scales = _kept_scales(file_tensors, raw_config, entries, config, where)
+    # one layout under one config has one set of scales: kept with the layout (small configs)
+    scales = (kept_derived(file_tensors, ("scales", raw_config),
+                           lambda: MappingProxyType(_checked_scales(file_tensors, entries, config, where)))
+              if len(raw_config) <= _KEPT_CONFIG_BYTES
+              else _checked_scales(file_tensors, entries, config, where))
 
     metadata = _file_metadata(file_meta)
     if config.base_model and "base_model" not in metadata and isinstance(config.base_model, str):

@@ -21,11 +21,12 @@ into place are not exposed by ``safe_open``, so the header is parsed here.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 import struct
+import threading
+from collections import OrderedDict
 from types import MappingProxyType
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -253,10 +254,74 @@ def _layout(raw: bytes, data_len: int):
 
 
 # Adapters of one model, rank and targets written by one tool have byte-identical headers:
-# the layouts of the last few headers (up to _LAYOUT_BYTES each) are kept.  A header that is
-# not well-formed is kept only as such: the checks that name the fault and the file run again.
+# the layouts of the last few headers (up to _LAYOUT_BYTES each) are kept, each with what
+# loads derived from it (a read plan, a config's scales), which goes when the layout goes.
+# A header that is not well-formed is not kept: the checks that name the fault and the file
+# run again.
 _LAYOUT_BYTES = 1 << 20
-_known_layout = functools.lru_cache(maxsize=16)(_layout)
+_KEPT_LAYOUTS = 16
+_DERIVED_PER_LAYOUT = 8
+
+
+class _KeptLayout:
+    __slots__ = ("tensors", "metadata", "derived")
+
+    def __init__(self, tensors, metadata):
+        self.tensors, self.metadata, self.derived = tensors, metadata, {}
+
+
+_kept_by_header: "OrderedDict[tuple, _KeptLayout]" = OrderedDict()  # (raw, data_len) -> kept
+_kept_by_id: Dict[int, _KeptLayout] = {}  # id(kept.tensors) -> kept (kept alive by both maps)
+_kept_lock = threading.Lock()
+
+
+def _known_layout(raw: bytes, data_len: int):
+    """:func:`_layout`, kept for the last :data:`_KEPT_LAYOUTS` well-formed headers."""
+    key = (raw, data_len)
+    with _kept_lock:
+        kept = _kept_by_header.get(key)
+        if kept is not None:
+            _kept_by_header.move_to_end(key)
+            return kept.tensors, kept.metadata
+    fast = _layout(raw, data_len)
+    if fast is None:
+        return None
+    with _kept_lock:
+        kept = _kept_by_header.get(key)
+        if kept is None:  # (else another thread kept the same header first)
+            kept = _kept_by_header[key] = _KeptLayout(*fast)
+            _kept_by_id[id(kept.tensors)] = kept
+            while len(_kept_by_header) > _KEPT_LAYOUTS:
+                _, old = _kept_by_header.popitem(last=False)
+                del _kept_by_id[id(old.tensors)]
+    return kept.tensors, kept.metadata
+
+
+def kept_derived(tensors, key, make):
+    """``make()``, kept with ``tensors`` under ``key`` when they are a kept layout's.
+
+    For the tensors mapping of a layout :func:`read_safetensors_header` keeps, the first
+    result for each ``key`` (up to :data:`_DERIVED_PER_LAYOUT` of them) is kept and returned
+    again until the layout itself is dropped; anything else is made every time.  ``make``
+    must depend on nothing but the layout and ``key``; what it raises is not kept.
+    """
+    kept = _kept_by_id.get(id(tensors))
+    if kept is None or kept.tensors is not tensors:
+        return make()
+    value = kept.derived.get(key)
+    if value is None:
+        value = make()
+        with _kept_lock:
+            if len(kept.derived) < _DERIVED_PER_LAYOUT:
+                value = kept.derived.setdefault(key, value)
+    return value
+
+
+def _forget_layouts():
+    """Drop every kept layout and what was derived from it."""
+    with _kept_lock:
+        _kept_by_header.clear()
+        _kept_by_id.clear()
 
 
 def _checked_header(raw: bytes, data_len: int, where: str) -> Tuple[Dict[str, dict], Dict[str, str]]:
@@ -357,27 +422,6 @@ def _plan(tensors, data_start: int, wanted: tuple, transposed: tuple):
     return plan, tuple(item[1] for item in order), out, start
 
 
-class _Same:
-    """A key that is equal only to a key for the same object (which it keeps alive)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __hash__(self):
-        return id(self.obj)
-
-    def __eq__(self, other):
-        return type(other) is _Same and other.obj is self.obj
-
-
-@functools.lru_cache(maxsize=16)  # adapters of one layout are read with one plan
-def _known_plan(layout: _Same, data_start: int, wanted: tuple, transposed: tuple):
-    """:func:`_plan` for a kept (read-only, shared) layout; a refusal is not kept."""
-    return _plan(layout.obj, data_start, wanted, transposed)
-
-
 def read_float32(
     path: os.PathLike,
     names=None,
@@ -407,10 +451,8 @@ def read_float32(
     wanted = tuple(tensors) if names is None else tuple(dict.fromkeys(names))
     flip = tuple(transposed)
     try:
-        if type(tensors) is MappingProxyType:  # a kept layout: its plan is kept with it
-            plan, order, out, start = _known_plan(_Same(tensors), data_start, wanted, flip)
-        else:
-            plan, order, out, start = _plan(tensors, data_start, wanted, flip)
+        plan, order, out, start = kept_derived(tensors, ("plan", data_start, wanted, flip),
+                                               lambda: _plan(tensors, data_start, wanted, flip))
     except LoraFormatError as exc:
         raise LoraFormatError(f"{path}: {exc}") from None
     buffer = _rows._aligned_floats(start, _HUGEPAGES)
