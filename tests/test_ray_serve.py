@@ -574,26 +574,25 @@ class Batchers:
         return out
 
 
-def test_one_replica_mixed_batches_beat_serve_batch(cluster):
+def test_one_replica_mixed_batches_need_fewer_forwards_than_serve_batch(cluster):
+    # forwards are what a replica pays for; their time is measured in
+    # benchmarks/ray_serve_batch.py, not asserted here
     handle = serve.run(Batchers.bind(), name="batchers", route_prefix="/batchers")
     try:
         def round_(method):
-            t0 = time.perf_counter()
             responses = [getattr(handle.options(multiplexed_model_id=NAMES[i % 8]), method)
                          .remote(i) for i in range(64)]
             results = [r.result(timeout_s=TIMEOUT_S) for r in responses]
-            elapsed = time.perf_counter() - t0
             assert results == [(NAMES[i % 8], i) for i in range(64)]  # each caller its own
-            return elapsed, handle.take_forwards.remote().result(timeout_s=TIMEOUT_S)
+            return handle.take_forwards.remote().result(timeout_s=TIMEOUT_S)
 
         round_("mixed"), round_("split")  # warm-up
-        mixed_s, mixed = round_("mixed")
-        split_s, split = round_("split")
+        mixed = round_("mixed")
+        split = round_("split")
         assert len(mixed) <= 8, [len(b) for b in mixed]
         assert any(len(set(b)) >= 2 for b in mixed)
         assert all(len(set(b)) == 1 for b in split)  # Ray's: one adapter per forward
-        assert len(split) > 2 * len(mixed)
-        assert split_s >= 2 * mixed_s, (split_s, mixed_s, len(split), len(mixed))
+        assert len(split) > 2 * len(mixed), (len(split), len(mixed))
     finally:
         serve.delete("batchers")
 
