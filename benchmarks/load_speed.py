@@ -125,6 +125,8 @@ def main(argv=None):
                 times[dtype].append(_timed(lambda: LoraAdapter.from_peft(paths[dtype])))
             _forget_layouts()
             times["F32 first"].append(_timed(lambda: LoraAdapter.from_peft(paths["F32"])))
+            for dtype in STORE_DTYPES:  # the others' layouts known again, as before the forgetting
+                LoraAdapter.from_peft(paths[dtype])
 
         base = float(np.median(times["fromfile"]))
         print(f"adapter: Qwen3.5-0.8B geometry, rank {args.rank}, {nbytes / 1e6:.1f} MB as float32; "
