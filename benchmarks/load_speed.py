@@ -40,12 +40,11 @@ def _weights(directory):
 
 
 def _forget_layouts():
-    """Clear what loads keep of the layouts they have seen (header, read plan, scales, names, module paths)."""
-    from lorahook.files import reader, safetensors
+    """Clear what loads keep of the layouts they have seen (header, read plan, names, scales, module paths)."""
+    from lorahook.files import safetensors
     from lorahook.models import lookup
 
     safetensors._forget_layouts()
-    reader._known_entries.cache_clear()
     lookup._placed.cache_clear()
 
 

@@ -546,7 +546,6 @@ def test_a_malformed_header_is_refused_by_name_every_time(tmp_path):
 
 
 def test_what_loads_keep_is_bounded_and_not_shared_with_callers(tmp_path):
-    from lorahook.files import reader
     from lorahook.models import lookup
 
     write_adapter(tmp_path / "ad", "F32")
@@ -565,19 +564,6 @@ def test_what_loads_keep_is_bounded_and_not_shared_with_callers(tmp_path):
     assert lookup._placed.cache_info().currsize == 0
     assert lookup.place("model.layers.3.self_attn.q_proj") == (3, "q_proj")
     assert lookup._placed.cache_info().currsize == 1
-
-    # tensor-name sets beyond the limit are grouped every time, never kept
-    reader._known_entries.cache_clear()
-    names = {f"{PREFIX}model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": {} for i in range(4) for ab in "AB"}
-    assert len(reader._entries(names, "f", False)) == 4
-    assert reader._known_entries.cache_info().currsize == 1
-    reader._known_entries.cache_clear()
-    many = dict(names)
-    many.update({f"{PREFIX}model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": {}
-                 for i in range(4, 4 + reader._KNOWN_NAME_CHARS // 50) for ab in "AB"})
-    assert sum(map(len, many)) > reader._KNOWN_NAME_CHARS
-    assert len(reader._entries(many, "f", False)) == len(many) // 2
-    assert reader._known_entries.cache_info().currsize == 0
 
 
 @pytest.mark.parametrize("a_shape, b_shape", [((2, 0), (4, 2)), ((2, 4), (0, 2))])
@@ -630,6 +616,8 @@ def test_scales_of_one_layout_and_config_are_shared_and_refusals_name_each_file(
         write_adapter(tmp_path / d, "F32", seed=len(d))
     one, two = LoraAdapter.from_peft(tmp_path / "one"), LoraAdapter.from_peft(tmp_path / "two")
     assert len(kept_scales()) == 1
+    (kept,) = st_reader._kept_by_header.values()
+    assert ("entries", False) in kept.derived  # the names grouped once for both
     check_against_independent_read(tmp_path / "one", one, False)
     check_against_independent_read(tmp_path / "two", two, False)
     ranks = {path: rank for path, _, _, rank in MODULES}

@@ -14,7 +14,6 @@ is checked before any data is returned.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -144,25 +143,10 @@ def _parse_tensors(
     return entries
 
 
-@functools.lru_cache(maxsize=16)  # the tensor names of one layout recur in every adapter of it
-def _known_entries(names: Tuple[str, ...], ignore_velora: bool) -> Mapping[Tuple[int, str], Mapping[str, str]]:
-    """:func:`_parse_tensors` of a set of names, read-only; a refusal is not kept."""
-    entries = _parse_tensors(names, "", ignore_velora)
-    return MappingProxyType({key: MappingProxyType(entry) for key, entry in entries.items()})
-
-
-# Name sets kept only up to this many characters in all (those of a header the layout cache keeps).
-_KNOWN_NAME_CHARS = 1 << 20
-
-
 def _entries(file_tensors: Mapping[str, dict], where: str, ignore_velora: bool):
-    names = tuple(file_tensors)
-    if sum(map(len, names)) <= _KNOWN_NAME_CHARS:
-        try:
-            return _known_entries(names, ignore_velora)
-        except LoraFormatError:  # again, for the message naming this file
-            pass
-    return _parse_tensors(file_tensors, where, ignore_velora)
+    """:func:`_parse_tensors`, read-only, kept with a kept layout (a refusal is not kept)."""
+    return kept_derived(file_tensors, ("entries", ignore_velora), lambda: MappingProxyType(
+        {key: MappingProxyType(entry) for key, entry in _parse_tensors(file_tensors, where, ignore_velora).items()}))
 
 
 def _check_factor_shapes(file_tensors: Mapping[str, dict], entry: dict, where: str) -> int:
@@ -302,11 +286,12 @@ def read_peft(path: os.PathLike) -> AdapterData:
     file_tensors, file_meta = header[:2]
     where = str(weights_path)
     entries = _entries(file_tensors, where, config.velora)
+    def checked_scales():
+        return MappingProxyType(_checked_scales(file_tensors, entries, config, where))
+
     # one layout under one config has one set of scales: kept with the layout (small configs)
-    scales = (kept_derived(file_tensors, ("scales", raw_config),
-                           lambda: MappingProxyType(_checked_scales(file_tensors, entries, config, where)))
-              if len(raw_config) <= _KEPT_CONFIG_BYTES
-              else _checked_scales(file_tensors, entries, config, where))
+    scales = (kept_derived(file_tensors, ("scales", raw_config), checked_scales)
+              if len(raw_config) <= _KEPT_CONFIG_BYTES else checked_scales())
 
     metadata = _file_metadata(file_meta)
     if config.base_model and "base_model" not in metadata and isinstance(config.base_model, str):
