@@ -25,8 +25,6 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _finite_scale(value, name):
-    if type(value) is float and -_FLOAT32_MAX <= value <= _FLOAT32_MAX:  # the common case
-        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
     value = float(value)
@@ -173,10 +171,8 @@ class LoraLayer:
         dtype).  They must be native, C-contiguous and read-only.  Shapes, ranks and the
         scale are checked as :class:`LoraLayer` checks them; nothing is copied.
         """
-        dtype = getattr(a, "dtype", None)
-        if dtype != _FLOAT32:
-            dtype = dtype if isinstance(a, np.ndarray) and dtype.name in _WEIGHT_DTYPES \
-                and dtype.isnative else _FLOAT32
+        dtype = a.dtype if isinstance(a, np.ndarray) and a.dtype.name in _WEIGHT_DTYPES \
+            and a.dtype.isnative else _FLOAT32
         _adoptable(a, "a", 2, dtype)
         _adoptable(bt, "b^T", 2, dtype)
         scale = _finite_scale(scale, "scale")

@@ -225,8 +225,6 @@ class PeftLoraConfig:
                 f"{self.where}: module {path!r}: lora_alpha={short(alpha)} / r={short(r)} cannot be computed "
                 f"(too large)"
             ) from None
-        if type(scale) is float and -_FLOAT32_MAX <= scale <= _FLOAT32_MAX:  # the common case
-            return r, scale
         return r, check_scale(scale, f"module {path!r}: lora_alpha={short(alpha)} with r={short(r)}", self.where)
 
     def targets(self, path: str, layer_idx: int) -> Optional[str]:
