@@ -1358,25 +1358,19 @@ cdef cnp.ndarray _half_array(object arr, object dtype, str name):
     return arr
 
 
-def _half_widen(src, kind, out=None):
-    """Widen 16-bit patterns to float32: a new array of ``src``'s shape, or into ``out``.
+def _half_widen(src, kind):
+    """Widen 16-bit patterns to float32: a new array of ``src``'s shape.
 
     ``src`` is a C-contiguous ``uint16`` array holding ``float16`` or
     ``bfloat16`` bit patterns, ``kind`` is ``'float16'`` or ``'bfloat16'``.
     Exact for every value.  bfloat16: the float32 bits are ``h << 16``, NaNs
     included.  float16: a NaN keeps its sign and payload (shifted left by 13)
-    and becomes quiet (bit 22 set).  ``out``, when given, is a writable
-    C-contiguous float32 array of ``src``'s size.  The GIL is released during
-    the conversion.
+    and becomes quiet (bit 22 set).  The GIL is released during the
+    conversion.
     """
     cdef int k = _half_kind(kind)
     cdef cnp.ndarray a = _half_array(src, np.uint16, "src")
-    if out is None:
-        out = np.empty((<object>a).shape, dtype=np.float32)
-    elif (_half_array(out, np.float32, "out").size != a.size
-          or not (<cnp.ndarray>out).flags.writeable):
-        raise ValueError(f"out must be a writable float32 array of {a.size} values, "
-                         f"got {out.size} values, writeable={out.flags.writeable}")
+    out = np.empty((<object>a).shape, dtype=np.float32)
     cdef size_t n = <size_t>a.size
     cdef const uint16_t *s
     cdef float *d

@@ -72,22 +72,20 @@ def short(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _reject_duplicate_keys(pairs):
-    out = dict(pairs)
-    if len(out) != len(pairs):
+def _unique_pairs(pairs):
+    """A JSON object as a tuple of ``(key, value)`` pairs; a key given twice is a ValueError."""
+    if len(dict(pairs)) != len(pairs):
         seen = set()
         for k, _ in pairs:
             if k in seen:
                 raise ValueError(f"duplicate key {k!r}")
             seen.add(k)
-    return out
-
-
-def _unique_pairs(pairs):
-    """A JSON object as a tuple of ``(key, value)`` pairs; a key given twice is a ValueError."""
-    if len(dict(pairs)) != len(pairs):
-        raise ValueError("duplicate key")
     return tuple(pairs)
+
+
+def _reject_duplicate_keys(pairs):
+    """A JSON object as a dict; a key given twice is a ValueError naming it."""
+    return dict(_unique_pairs(pairs))
 
 
 def _span(shape, size: int, limit: int) -> Optional[int]:
