@@ -6,8 +6,11 @@ the raw data section); the arrays are read-only views of one buffer that holds e
 65536 half bit patterns; the paths for tensors larger than the bounce buffer, for runs that are
 split, and for a file that shrinks during a read are exercised with small limits.
 """
+import errno
 import json
+import os
 import pickle
+import re
 import struct
 import tracemalloc
 from types import MappingProxyType
@@ -20,6 +23,7 @@ safetensors = pytest.importorskip("safetensors")
 from lorahook import LoraAdapter, LoraFormatError, LoraLayer  # noqa: E402
 from lorahook.files import safetensors as st_reader  # noqa: E402
 from lorahook.files.safetensors import read_float32, read_safetensors_header  # noqa: E402
+from peft_dirs import write_dir  # noqa: E402
 
 PREFIX = "base_model.model."
 # (module path, d_in, d_out, rank): square B (in_proj_a: 16 x 16 at rank 16), wide, tall
@@ -63,16 +67,23 @@ def write_adapter(directory, dtype="F32", bias=False, seed=0, modules=MODULES):
     return raw
 
 
-def independent_read(path):
-    """Every tensor of a safetensors file as float32, from its bytes with nothing of lorahook."""
+def raw_header(path):
+    """``(header without metadata, data start)`` of a safetensors file, parsed with nothing of lorahook."""
     blob = path.read_bytes()
     (n,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8:8 + n])
     header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def independent_read(path):
+    """Every tensor of a safetensors file as float32, from its bytes with nothing of lorahook."""
+    blob = path.read_bytes()
+    header, start = raw_header(path)
     out = {}
     for name, info in header.items():
         begin, end = info["data_offsets"]
-        data = blob[8 + n + begin:8 + n + end]
+        data = blob[start + begin:start + end]
         if info["dtype"] == "F32":
             arr = np.frombuffer(data, "<f4").astype(np.float64)
         elif info["dtype"] == "F16":
@@ -94,9 +105,9 @@ def test_values_equal_an_independent_read(tmp_path, dtype, bias):
     check_against_independent_read(tmp_path / "ad", LoraAdapter.from_peft(tmp_path / "ad"), bias)
 
 
-def check_against_independent_read(directory, adapter, bias):
+def check_against_independent_read(directory, adapter, bias, modules=MODULES):
     truth = independent_read(directory / "adapter_model.safetensors")
-    assert adapter.num_adapted_layers == len(MODULES)
+    assert adapter.num_adapted_layers == len(modules)
     for key, layer in adapter.layers.items():
         path = adapter.module_paths[key]
         a, b = truth[f"{PREFIX}{path}.lora_A.weight"], truth[f"{PREFIX}{path}.lora_B.weight"]
@@ -179,43 +190,79 @@ def test_every_finite_half_loads_exactly(tmp_path):
     a_name = f"{PREFIX}model.layers.0.mlp.down_proj.lora_A.weight"
     b_name = f"{PREFIX}model.layers.0.mlp.down_proj.lora_B.weight"
     tensors = {a_name: halves.reshape(16, 3968), b_name: halves[::-1][: 1024 * 16].reshape(1024, 16).copy()}
-    d = tmp_path / "ad"
-    d.mkdir()
-    specs = {k: safetensors.TensorSpec(dtype="float16", shape=list(v.shape), data_ptr=v.ctypes.data,
-                                       data_len=v.nbytes) for k, v in tensors.items()}
-    safetensors.serialize_file(specs, str(d / "adapter_model.safetensors"))
-    (d / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 16, "lora_alpha": 16, "target_modules": ["down_proj"]}))
+    d = write_dir(tmp_path / "ad", {k: v.view(np.float16) for k, v in tensors.items()},
+                  {"peft_type": "LORA", "r": 16, "lora_alpha": 16, "target_modules": ["down_proj"]})
     layer = LoraAdapter.from_peft(d).layers[(0, "down_proj")]
     for got, bits in ((layer.a, tensors[a_name]), (layer.b, tensors[b_name])):
         np.testing.assert_array_equal(got.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32))
 
 
-@pytest.mark.parametrize("dtype", ["F16", "BF16"])
-@pytest.mark.parametrize("which", ["lora_A", "lora_B"])
-def test_non_finite_half_is_refused_by_name(tmp_path, dtype, which):
-    write_adapter(tmp_path / "ad", dtype)
-    weights = tmp_path / "ad" / "adapter_model.safetensors"
-    tensors, _, start, _ = read_safetensors_header(weights)
-    name = f"{PREFIX}model.layers.3.self_attn.q_proj.{which}.weight"
+# Per dtype: bytes per value, struct format, non-finite words (+inf, -inf, quiet NaN, signalling
+# NaN) and the largest finite magnitudes of both signs.
+WORDS = {
+    "F32": (4, "<I", (0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001), (0x7F7FFFFF, 0xFF7FFFFF)),
+    "F16": (2, "<H", (0x7C00, 0xFC00, 0x7E00, 0x7C01), (0x7BFF, 0xFBFF)),
+    "BF16": (2, "<H", (0x7F80, 0xFF80, 0x7FC0, 0x7F81), (0x7F7F, 0xFF7F)),
+}
+DOWN = [("model.layers.0.mlp.down_proj", 96, 80, 8)]
+# positions on both sides of the 64-value blocks the fast check scans
+POSITIONS = [0, 63, 64, 127, 500, 639]
+
+
+def poke(weights, name, words, size, fmt):
+    """Write ``words`` into tensor ``name`` of ``weights`` at :data:`POSITIONS` (offsets parsed by hand)."""
+    header, start = raw_header(weights)
     blob = bytearray(weights.read_bytes())
-    at = start + tensors[name]["data_offsets"][0] + 2 * 5
-    blob[at:at + 2] = struct.pack("<H", 0x7C00 if dtype == "F16" else 0x7F80)  # +inf
+    for i, at in enumerate(POSITIONS):
+        offset = start + header[name]["data_offsets"][0] + size * at
+        blob[offset:offset + size] = struct.pack(fmt, words[i % len(words)])
     weights.write_bytes(bytes(blob))
-    with pytest.raises(LoraFormatError, match=rf"tensor '{name}' has 1 non-finite value\(s\)"):
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("which", ["lora_A", "lora_B"])
+def test_non_finite_values_are_counted_and_refused_by_name(tmp_path, dtype, which):
+    write_adapter(tmp_path / "ad", dtype, modules=DOWN)
+    size, fmt, bad, _ = WORDS[dtype]
+    name = f"{PREFIX}model.layers.0.mlp.down_proj.{which}.weight"
+    poke(tmp_path / "ad" / "adapter_model.safetensors", name, bad, size, fmt)
+    with pytest.raises(LoraFormatError, match=rf"tensor '{name}' has {len(POSITIONS)} non-finite value\(s\)"):
         LoraAdapter.from_peft(tmp_path / "ad")
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_the_largest_finite_values_load(tmp_path, dtype):
+    write_adapter(tmp_path / "ad", dtype, modules=DOWN)
+    size, fmt, _, largest = WORDS[dtype]
+    weights = tmp_path / "ad" / "adapter_model.safetensors"
+    for which in ("lora_A", "lora_B"):
+        poke(weights, f"{PREFIX}model.layers.0.mlp.down_proj.{which}.weight", largest, size, fmt)
+    check_against_independent_read(tmp_path / "ad", LoraAdapter.from_peft(tmp_path / "ad"), False, DOWN)
 
 
 # --------------------------------------------------------------------------- the read's own paths
 
+# Odd shapes for the transposing tiles (4 x 4, blocks of 16 rows) and their edges.
+ODD_MODULES = [
+    ("model.layers.0.self_attn.q_proj", 7, 37, 5),      # B 37 x 5: neither dimension a multiple of 4
+    ("model.layers.0.self_attn.k_proj", 3, 1, 1),       # B 1 x 1
+    ("model.layers.0.self_attn.v_proj", 5, 16, 3),      # B 16 x 3: one block of 16 rows, 3 columns
+    ("model.layers.1.self_attn.q_proj", 9, 33, 16),     # B 33 x 16: two blocks and a row
+    ("model.layers.1.self_attn.k_proj", 70, 19, 17),    # B 19 x 17: a column beyond the tiles
+]
+
+
+@pytest.mark.parametrize("limits", [None, (200, 3, 1024), (64, 2, 96)], ids=["default", "small", "tiny"])
+@pytest.mark.parametrize("modules", [MODULES, ODD_MODULES], ids=["qwen", "odd"])
 @pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
-def test_small_bounce_and_runs_give_the_same_values(tmp_path, monkeypatch, dtype):
-    write_adapter(tmp_path / "ad", dtype, bias=True)
-    # tensors larger than the bounce buffer go row by row; runs split after 3 tensors or 1 KiB
-    monkeypatch.setattr(st_reader, "_SCRATCH_BYTES", 200)
-    monkeypatch.setattr(st_reader, "_MAX_RUN", 3)
-    monkeypatch.setattr(st_reader, "_RUN_BYTES", 1024)
-    check_against_independent_read(tmp_path / "ad", LoraAdapter.from_peft(tmp_path / "ad"), True)
+def test_every_read_path_gives_the_file_values(tmp_path, monkeypatch, dtype, modules, limits):
+    # small: tensors larger than the bounce buffer, runs split after 3 pieces or 1 KiB;
+    # tiny: every piece a few rows, the bounce buffer grown for the widest rows
+    if limits is not None:
+        for attr, value in zip(("_SCRATCH_BYTES", "_MAX_RUN", "_RUN_BYTES"), limits):
+            monkeypatch.setattr(st_reader, attr, value)
+    write_adapter(tmp_path / "ad", dtype, bias=True, modules=modules, seed=3)
+    check_against_independent_read(tmp_path / "ad", LoraAdapter.from_peft(tmp_path / "ad"), True, modules)
 
 
 def test_read_float32_transposes_and_keeps_order(tmp_path):
@@ -320,83 +367,33 @@ def test_rank_0_layers_beside_others_in_a_bare_file(tmp_path, dtype):
 
 # --------------------------------------------------------------------------- the core's read plan
 
-# Odd shapes for the transposing tiles (4 x 4, blocks of 16 rows) and their edges.
-ODD_MODULES = [
-    ("model.layers.0.self_attn.q_proj", 7, 37, 5),      # B 37 x 5: neither dimension a multiple of 4
-    ("model.layers.0.self_attn.k_proj", 3, 1, 1),       # B 1 x 1
-    ("model.layers.0.self_attn.v_proj", 5, 16, 3),      # B 16 x 3: one block of 16 rows, 3 columns
-    ("model.layers.1.self_attn.q_proj", 9, 33, 16),     # B 33 x 16: two blocks and a row
-    ("model.layers.1.self_attn.k_proj", 70, 19, 17),    # B 19 x 17: a column beyond the tiles
-]
-
-
-@pytest.mark.parametrize("small", [False, True])
-@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
-def test_odd_shapes_transpose_exactly(tmp_path, monkeypatch, dtype, small):
-    if small:  # every piece of a run a few rows, bounce buffers grown for the widest rows
-        monkeypatch.setattr(st_reader, "_SCRATCH_BYTES", 64)
-        monkeypatch.setattr(st_reader, "_MAX_RUN", 2)
-        monkeypatch.setattr(st_reader, "_RUN_BYTES", 96)
-    write_adapter(tmp_path / "ad", dtype, bias=True, modules=ODD_MODULES, seed=3)
-    adapter = LoraAdapter.from_peft(tmp_path / "ad")
-    truth = independent_read(tmp_path / "ad" / "adapter_model.safetensors")
-    for key, layer in adapter.layers.items():
-        path = adapter.module_paths[key]
-        np.testing.assert_array_equal(layer._bt, truth[f"{PREFIX}{path}.lora_B.weight"].T)
-        np.testing.assert_array_equal(layer.a, truth[f"{PREFIX}{path}.lora_A.weight"])
-        np.testing.assert_array_equal(layer.bias, truth[f"{PREFIX}{path}.lora_B.bias"])
-
-
-@pytest.mark.parametrize("which", ["lora_A", "lora_B"])
-def test_non_finite_float32_counted_exactly(tmp_path, which):
-    # positions on both sides of the 64-value blocks the fast check scans
-    modules = [("model.layers.0.mlp.down_proj", 96, 80, 8)]
-    write_adapter(tmp_path / "ad", "F32", modules=modules)
-    weights = tmp_path / "ad" / "adapter_model.safetensors"
-    tensors, _, start, _ = read_safetensors_header(weights)
-    name = f"{PREFIX}model.layers.0.mlp.down_proj.{which}.weight"
-    blob = bytearray(weights.read_bytes())
-    bad = [0, 63, 64, 127, 500, 639]
-    for i, at in enumerate(bad):
-        word = (0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001)[i % 4]  # +-inf, quiet and signalling NaN
-        offset = start + tensors[name]["data_offsets"][0] + 4 * at
-        blob[offset:offset + 4] = struct.pack("<I", word)
-    # the largest finite magnitude is kept
-    other = f"{PREFIX}model.layers.0.mlp.down_proj.{'lora_B' if which == 'lora_A' else 'lora_A'}.weight"
-    offset = start + tensors[other]["data_offsets"][0]
-    blob[offset:offset + 4] = struct.pack("<I", 0xFF7FFFFF)
-    weights.write_bytes(bytes(blob))
-    with pytest.raises(LoraFormatError, match=rf"tensor '{name}' has {len(bad)} non-finite value\(s\)"):
-        LoraAdapter.from_peft(tmp_path / "ad")
-
-
 def _plan_row(**changes):
     row = {"offset": 0, "count": 4, "start": 0, "rows": 4, "cols": 1, "kind": 0, "flip": 0}
     row.update(changes)
     return list(row.values())
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(count=-1), "plan row 0"),
-    (dict(start=-1), "plan row 0"),
-    (dict(start=7), "plan row 0"),                      # 7 + 4 > 8 values
-    (dict(count=9, rows=9), "plan row 0"),
-    (dict(rows=3), "plan row 0"),                       # rows * cols != count
-    (dict(rows=2, cols=3, flip=1), "plan row 0"),
-    (dict(kind=3), "plan row 0"),
-    (dict(flip=2), "plan row 0"),
-    (dict(offset=-8), "plan row 0"),
-    (dict(count=2**62, rows=2**62), "plan row 0"),
-    (dict(offset=2**63 - 9), "plan row 0"),            # its end does not fit in an int64
-    (dict(offset=2**63 - 5, kind=1), "plan row 0"),
+@pytest.mark.parametrize("changes", [
+    dict(count=-1),
+    dict(start=-1),
+    dict(start=7),                      # 7 + 4 > 8 values
+    dict(count=9, rows=9),
+    dict(rows=3),                       # rows * cols != count
+    dict(rows=2, cols=3, flip=1),
+    dict(kind=3),
+    dict(flip=2),
+    dict(offset=-8),
+    dict(count=2**62, rows=2**62),
+    dict(offset=2**63 - 9),             # its end does not fit in an int64
+    dict(offset=2**63 - 5, kind=1),
 ])
-def test_read_plan_refuses_what_would_write_outside_the_buffer(tmp_path, changes, match):
+def test_read_plan_refuses_what_would_write_outside_the_buffer(tmp_path, changes):
     from lorahook import _rows
     f = tmp_path / "data.bin"
     f.write_bytes(np.arange(64, dtype="<f4").tobytes())
     buffer = np.full(8, -1.0, dtype=np.float32)
-    plan = np.array([_plan_row(), _plan_row(**changes)], dtype=np.int64)[1:]
-    with open(f, "rb") as fh, pytest.raises(ValueError, match=match):
+    plan = np.array([_plan_row(**changes)], dtype=np.int64)
+    with open(f, "rb") as fh, pytest.raises(ValueError, match="plan row 0 is not a tensor inside"):
         _rows._read_plan(fh.fileno(), plan, buffer, np.zeros(1, np.int64), 256, 256, 4)
     assert (buffer == -1).all()
 
@@ -424,26 +421,12 @@ def test_read_plan_limits_and_shapes_are_checked(tmp_path):
         # past the end of the file: the tensor the file ended in
         plan = np.array([[240, 8, 0, 8, 1, 0, 0]], dtype=np.int64)
         assert _rows._read_plan(fh.fileno(), plan, buffer, bad, 64, 64, 1) == (1, 0)
-    closed = open(f, "rb")
-    fd = closed.fileno()
-    closed.close()
-    status, err = _rows._read_plan(fd, np.array([_plan_row()], np.int64), buffer, bad, 64, 64, 1)
-    assert status == 2 and err > 0
-
-
-def test_a_tensor_under_two_names_is_refused(tmp_path):
-    from safetensors.numpy import save_file
-    ones = np.ones((2, 8), np.float32)
-    d = tmp_path / "ad"
-    d.mkdir()
-    save_file({f"{PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight": ones,
-               "model.layers.0.self_attn.q_proj.lora_A.weight": 2 * ones,
-               f"{PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight": np.ones((4, 2), np.float32)},
-              str(d / "adapter_model.safetensors"))
-    (d / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}))
-    with pytest.raises(LoraFormatError, match="duplicate weights for layer 0 module 'q_proj': tensors"):
-        LoraAdapter.from_peft(d)
+    fd = os.open(tmp_path, os.O_RDONLY)  # a directory: every read fails
+    try:
+        status, err = _rows._read_plan(fd, np.array([_plan_row()], np.int64), buffer, bad, 64, 64, 1)
+    finally:
+        os.close(fd)
+    assert (status, err) == (2, errno.EISDIR)
 
 
 @pytest.mark.parametrize("start", [0, 3, 16])
@@ -528,7 +511,7 @@ def test_refusals_of_one_layout_name_each_file(tmp_path):
                   str(f))
         paths.append(f)
     for f in paths + paths:
-        with pytest.raises(LoraFormatError, match=rf"^{f}: tensor .*unknown_proj"):
+        with pytest.raises(LoraFormatError, match=rf"^{re.escape(str(f))}: tensor .*unknown_proj"):
             LoraAdapter.from_safetensors(f)
 
 
@@ -541,7 +524,7 @@ def test_a_malformed_header_is_refused_by_name_every_time(tmp_path):
     for i in range(3):
         f = tmp_path / f"bad{i}.safetensors"
         f.write_bytes(blob[:8] + bad + blob[8 + n:])
-        with pytest.raises(LoraFormatError, match=rf"^{f}: tensor .*unknown dtype 'F31'"):
+        with pytest.raises(LoraFormatError, match=rf"^{re.escape(str(f))}: tensor .*unknown dtype 'F31'"):
             read_safetensors_header(f)
 
 
@@ -550,12 +533,10 @@ def test_what_loads_keep_is_bounded_and_not_shared_with_callers(tmp_path):
 
     write_adapter(tmp_path / "ad", "F32")
     weights = tmp_path / "ad" / "adapter_model.safetensors"
-    header = read_safetensors_header(weights)
-    assert type(header[1]) is dict
-    header[1]["mine"] = "x"  # the caller's own metadata: the next read does not see it
-    assert "mine" not in read_safetensors_header(weights)[1]
-    _, metadata = read_float32(weights, header=read_safetensors_header(weights))
-    assert type(metadata) is dict
+    # the metadata each read returns is the caller's own: changing it changes no later read
+    read_safetensors_header(weights)[1]["mine"] = "x"
+    read_float32(weights)[1]["also mine"] = "y"
+    assert read_safetensors_header(weights)[1] == read_float32(weights)[1] == {"format": "pt"}
 
     # module paths longer than any real model's are placed every time, never kept
     lookup._placed.cache_clear()
@@ -564,22 +545,6 @@ def test_what_loads_keep_is_bounded_and_not_shared_with_callers(tmp_path):
     assert lookup._placed.cache_info().currsize == 0
     assert lookup.place("model.layers.3.self_attn.q_proj") == (3, "q_proj")
     assert lookup._placed.cache_info().currsize == 1
-
-
-@pytest.mark.parametrize("a_shape, b_shape", [((2, 0), (4, 2)), ((2, 4), (0, 2))])
-def test_a_factor_with_no_inputs_or_outputs_is_refused_by_name(tmp_path, a_shape, b_shape):
-    from safetensors.numpy import save_file
-    d = tmp_path / "ad"
-    d.mkdir()
-    a_name = f"{PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight"
-    save_file({a_name: np.ones(a_shape, np.float32),
-               f"{PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight": np.ones(b_shape, np.float32)},
-              str(d / "adapter_model.safetensors"))
-    (d / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}))
-    with pytest.raises(LoraFormatError, match=rf"'{a_name}' is \({a_shape[0]}, {a_shape[1]}\) .*"
-                                              r"d_in \(columns of lora_A\) and d_out \(rows of lora_B\) must be >= 1"):
-        LoraAdapter.from_peft(d)
 
 
 def test_reads_of_one_kept_layout_share_a_plan_and_refuse_by_file(tmp_path):
@@ -595,14 +560,10 @@ def test_reads_of_one_kept_layout_share_a_plan_and_refuse_by_file(tmp_path):
         f = tmp_path / f"{i}.safetensors"
         arrays, _ = st_reader.read_float32(f, ["x"], transposed=["x"])
         np.testing.assert_array_equal(arrays["x"], values[i]["x"].T)
-        with pytest.raises(LoraFormatError, match=rf"^{f}: tensor 'n' has dtype I8"):
+        with pytest.raises(LoraFormatError, match=rf"^{re.escape(str(f))}: tensor 'n' has dtype I8"):
             st_reader.read_float32(f, ["x", "n"])
     (kept,) = st_reader._kept_by_header.values()
-    assert list(kept.derived) == [("plan", kept_start(tmp_path / "0.safetensors"), ("x",), ("x",))]
-
-
-def kept_start(path):
-    return read_safetensors_header(path)[2]
+    assert list(kept.derived) == [("plan", raw_header(tmp_path / "0.safetensors")[1], ("x",), ("x",))]
 
 
 def test_scales_of_one_layout_and_config_are_shared_and_refusals_name_each_file(tmp_path):
@@ -612,8 +573,8 @@ def test_scales_of_one_layout_and_config_are_shared_and_refusals_name_each_file(
         (kept,) = st_reader._kept_by_header.values()
         return [key for key in kept.derived if key[0] == "scales"]
 
-    for d in ("one", "two"):
-        write_adapter(tmp_path / d, "F32", seed=len(d))
+    for seed, d in enumerate(("one", "two")):
+        write_adapter(tmp_path / d, "F32", seed=seed)
     one, two = LoraAdapter.from_peft(tmp_path / "one"), LoraAdapter.from_peft(tmp_path / "two")
     assert len(kept_scales()) == 1
     (kept,) = st_reader._kept_by_header.values()
@@ -639,40 +600,33 @@ def test_scales_of_one_layout_and_config_are_shared_and_refusals_name_each_file(
         (tmp_path / d / "adapter_config.json").write_text(json.dumps(cfg))
     for d in ("one", "two", "one"):
         weights = tmp_path / d / "adapter_model.safetensors"
-        with pytest.raises(LoraFormatError, match=rf"^{weights}: module .* has rank \d+ in its tensors"):
+        with pytest.raises(LoraFormatError, match=rf"^{re.escape(str(weights))}: module .* has rank \d+ in its tensors"):
             LoraAdapter.from_peft(tmp_path / d)
     assert len(kept_scales()) == 2
 
 
-def test_only_kept_layouts_keep_what_loads_derive(tmp_path):
+def test_a_header_too_large_to_keep_leaves_nothing_behind(tmp_path):
     st_reader._forget_layouts()
-    # a header over the kept size: loaded again and again, nothing of it stays
-    names = [f"{PREFIX}model.layers.{i}.mlp.down_proj" for i in range(4)]
-    pad = "p" * (st_reader._LAYOUT_BYTES + 10)
     tensors = {}
-    for n in names:
-        tensors[f"{n}.lora_A.weight"] = np.ones((2, 8), np.float32)
-        tensors[f"{n}.lora_B.weight"] = np.ones((8, 2), np.float32)
-    d = tmp_path / "big"
-    d.mkdir()
-    safetensors.serialize_file(
-        {k: safetensors.TensorSpec(dtype="float32", shape=list(v.shape), data_ptr=v.ctypes.data, data_len=v.nbytes)
-         for k, v in tensors.items()}, str(d / "adapter_model.safetensors"), metadata={"pad": pad})
-    (d / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["down_proj"]}))
+    for i in range(4):
+        tensors[f"{PREFIX}model.layers.{i}.mlp.down_proj.lora_A.weight"] = np.ones((2, 8), np.float32)
+        tensors[f"{PREFIX}model.layers.{i}.mlp.down_proj.lora_B.weight"] = np.ones((8, 2), np.float32)
+    d = write_dir(tmp_path / "big", tensors,
+                  {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["down_proj"]},
+                  metadata={"pad": "p" * (st_reader._LAYOUT_BYTES + 10)})
     for _ in range(3):
-        adapter = LoraAdapter.from_peft(d)
-        assert adapter.num_adapted_layers == 4
+        assert LoraAdapter.from_peft(d).num_adapted_layers == 4
     assert not st_reader._kept_by_header and not st_reader._kept_by_id
-    # a read-only mapping made by a caller is read afresh each time, never kept
+
+
+def test_a_callers_own_read_only_layout_is_read_afresh_every_time(tmp_path):
     write_adapter(tmp_path / "ad", "F32")
     weights = tmp_path / "ad" / "adapter_model.safetensors"
-    st_reader._forget_layouts()
     tensors, metadata, start, size = read_safetensors_header(weights)
     st_reader._forget_layouts()
     mine = {name: dict(info) for name, info in tensors.items()}
-    a_name, b_name = sorted(n for n in mine if n.endswith("in_proj_a.lora_A.weight") or
-                            n.endswith("in_proj_a.lora_B.weight"))
+    a_name = f"{PREFIX}model.layers.0.linear_attn.in_proj_a.lora_A.weight"
+    b_name = f"{PREFIX}model.layers.0.linear_attn.in_proj_a.lora_B.weight"
     header = (MappingProxyType(mine), metadata, start, size)
     first, _ = st_reader.read_float32(weights, [a_name], header=header)
     mine[a_name] = dict(mine[b_name])  # the same name, now pointing at lora_B's bytes

@@ -5,6 +5,7 @@ Adapter directories are written by hand with ``safetensors.numpy`` and ``json`` 
 
 import json
 import math
+import re
 import struct
 import warnings
 
@@ -14,6 +15,7 @@ from safetensors.numpy import save_file
 
 from lorahook import LoraAdapter, LoraFormatError, LoraLayer, LoraValidationError
 from lorahook.files import read_safetensors, read_safetensors_header, write_peft
+from peft_dirs import write_dir
 
 PREFIX = "base_model.model."
 Q3 = "model.layers.3.self_attn.q_proj"
@@ -44,13 +46,6 @@ def base_config(**over):
     }
     cfg.update(over)
     return cfg
-
-
-def write_dir(path, tensors, config, metadata=None):
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"), metadata=metadata or {"format": "pt"})
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    return path
 
 
 def pair(tensors, path, a, b, bias=None, segment=""):
@@ -393,6 +388,21 @@ def test_duplicate_keys(tmp_path, rng):
     pair(tensors, Q3, *factors(rng, 4, 32, 64), segment=".two")
     with pytest.raises(LoraFormatError, match="duplicate weights"):
         LoraAdapter.from_peft(write_dir(tmp_path / "b", tensors, base_config()))
+    # one factor under two names, with and without PEFT's prefix
+    tensors = {}
+    pair(tensors, Q3, *factors(rng, 4, 32, 64))
+    tensors[f"{Q3}.lora_A.weight"] = tensors[f"{PREFIX}{Q3}.lora_A.weight"]
+    with pytest.raises(LoraFormatError, match="duplicate weights for layer 3 module 'q_proj': tensors"):
+        LoraAdapter.from_peft(write_dir(tmp_path / "c", tensors, base_config()))
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((4, 0), (64, 4)), ((4, 32), (0, 4))])
+def test_a_factor_with_no_inputs_or_outputs(tmp_path, a_shape, b_shape):
+    tensors = {f"{PREFIX}{Q3}.lora_A.weight": np.ones(a_shape, np.float32),
+               f"{PREFIX}{Q3}.lora_B.weight": np.ones(b_shape, np.float32)}
+    with pytest.raises(LoraFormatError, match=re.escape(f"'{PREFIX}{Q3}.lora_A.weight' is {a_shape} and ") +
+                       r".*d_in \(columns of lora_A\) and d_out \(rows of lora_B\) must be >= 1"):
+        LoraAdapter.from_peft(write_dir(tmp_path / "ad", tensors, base_config()))
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

@@ -442,6 +442,8 @@ def read_float32(
 
     With ``finite``, a tensor holding NaN or infinity is refused. Any failure raises
     :class:`LoraFormatError` and returns nothing: the arrays exist only once every tensor is read.
+    Returns ``(arrays by name in the order asked, metadata)``; the metadata is the dict of
+    ``header`` (a new one when the header is read here).
     """
     if header is None:
         header = read_safetensors_header(path)
@@ -476,7 +478,7 @@ def read_float32(
     for name in wanted:
         begin, count, shape = out[name]
         arrays[name] = buffer[begin:begin + count].reshape(shape)
-    return arrays, dict(metadata)
+    return arrays, metadata
 
 
 def read_safetensors(
