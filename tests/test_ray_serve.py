@@ -528,6 +528,9 @@ def test_bad_adapters_leave_rays_list_unchanged(small_app):
 
 
 FORWARD_S = 0.03  # a forward that dominates: its cost does not depend on its rows
+# a batch waits this long to fill: all 64 requests of a round are sent well within it, so
+# how batches form does not depend on how busy the machine is
+BATCH_WAIT_S = 0.5
 
 
 @serve.deployment(max_ongoing_requests=64, ray_actor_options={"num_cpus": 0})
@@ -556,7 +559,7 @@ class Batchers:
         name = await self.load(serve.get_multiplexed_model_id())
         return await self.mixed_batch(name, item)
 
-    @batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    @batch(max_batch_size=16, batch_wait_timeout_s=BATCH_WAIT_S)
     async def mixed_batch(self, names, items):
         return await self._run(names, items)
 
@@ -564,7 +567,7 @@ class Batchers:
         await self.load(serve.get_multiplexed_model_id())
         return await self.split_batch(item)
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=BATCH_WAIT_S)
     async def split_batch(self, items):
         name = serve.get_multiplexed_model_id() or None
         return await self._run([name] * len(items), items)
@@ -589,10 +592,11 @@ def test_one_replica_mixed_batches_need_fewer_forwards_than_serve_batch(cluster)
         round_("mixed"), round_("split")  # warm-up
         mixed = round_("mixed")
         split = round_("split")
-        assert len(mixed) <= 8, [len(b) for b in mixed]
+        assert sum(map(len, mixed)) == sum(map(len, split)) == 64
         assert any(len(set(b)) >= 2 for b in mixed)
         assert all(len(set(b)) == 1 for b in split)  # Ray's: one adapter per forward
-        assert len(split) > 2 * len(mixed), (len(split), len(mixed))
+        # so Ray's needs a forward per adapter at least; mixed batches fill up across adapters
+        assert len(mixed) < len(NAMES) <= len(split), ([len(b) for b in mixed], [len(b) for b in split])
     finally:
         serve.delete("batchers")
 
