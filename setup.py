@@ -21,18 +21,32 @@ directives = {
     "embedsignature": True,
 }
 
-extension = Extension(
-    "lorahook._rows",
-    ["lorahook/_rows.pyx"],
-    include_dirs=["lorahook", numpy.get_include()],
+# The compiled modules, each one concern (lorahook/_rows.pyx says which);
+# they share declarations through their .pxd files.
+MODULES = {
+    "_checks": {},
+    "_halfconv": {},
     # dladdr/dlopen/dlsym (finding the BLAS file): in libdl before glibc 2.34
-    libraries=["dl"] if sys.platform.startswith("linux") else [],
-    define_macros=[
-        ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
-        ("LORAHOOK_DEBUG_BUILD", "1" if debug else "0"),
-    ],
-)
+    "_kernels": {"libraries": ["dl"] if sys.platform.startswith("linux") else []},
+    "_rows": {},
+    "_load": {},
+    "_testing": {},
+}
+
+extensions = [
+    Extension(
+        f"lorahook.{name}",
+        [f"lorahook/{name}.pyx"],
+        include_dirs=["lorahook", numpy.get_include()],
+        define_macros=[
+            ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+            ("LORAHOOK_DEBUG_BUILD", "1" if debug else "0"),
+        ],
+        **extra,
+    )
+    for name, extra in MODULES.items()
+]
 
 # force=True: the generated C depends on the directives above, which file
-# times cannot tell, so it is always regenerated (one small module).
-setup(ext_modules=cythonize([extension], compiler_directives=directives, force=True))
+# times cannot tell, so it is always regenerated.
+setup(ext_modules=cythonize(extensions, compiler_directives=directives, force=True))

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from lorahook import _rows
+from lorahook import _halfconv, _testing
 
 SIZES = (("decode 1024", 1024), ("prefill 256x3584", 256 * 3584))
 KINDS = ("float16", "bfloat16")
@@ -25,7 +25,7 @@ TARGET_SECONDS = 0.01  # per repeat
 def inputs(n, kind, rng):
     """Realistic activations: float32 values and their 16-bit patterns."""
     f = (rng.standard_normal(n) * 2.0).astype(np.float32)
-    return f, _rows._half_narrow(f, kind)
+    return f, _halfconv.narrow(f, kind)
 
 
 def median_seconds(src, out, kind, repeats):
@@ -33,7 +33,7 @@ def median_seconds(src, out, kind, repeats):
     loops = 1
     while True:  # enough loops that one repeat takes about TARGET_SECONDS
         t0 = time.perf_counter()
-        _rows._half_repeat(src, out, kind, loops)
+        _testing.half_repeat(src, out, kind, loops)
         dt = time.perf_counter() - t0
         if dt >= TARGET_SECONDS / 4 or loops >= 1 << 24:
             break
@@ -42,7 +42,7 @@ def median_seconds(src, out, kind, repeats):
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        _rows._half_repeat(src, out, kind, loops)
+        _testing.half_repeat(src, out, kind, loops)
         times.append((time.perf_counter() - t0) / loops)
     return statistics.median(times)
 
@@ -52,11 +52,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
 
-    info = _rows._half_paths()
+    info = _halfconv.paths()
     paths = info["supported"]
     print(f"conversion paths on this CPU: {', '.join(paths)} (active at start: {info['active']})")
     rng = np.random.default_rng(0)
-    old = _rows._half_set_path("portable")
+    old = _halfconv.set_path("portable")
     try:
         header = f"{'size':<18}{'conversion':<22}" + "".join(f"{p:>12}" for p in paths)
         header += "".join(f"{'portable/' + p:>18}" for p in paths[1:])
@@ -69,14 +69,14 @@ def main(argv=None):
                         ("narrow", f, np.empty(n, dtype=np.uint16))):
                     times = {}
                     for p in paths:
-                        _rows._half_set_path(p)
+                        _halfconv.set_path(p)
                         times[p] = median_seconds(src, out, kind, args.repeats)
                     row = f"{label:<18}{direction + ' ' + kind:<22}"
                     row += "".join(f"{times[p] * 1e6:>10.2f}us" for p in paths)
                     row += "".join(f"{times['portable'] / times[p]:>17.1f}x" for p in paths[1:])
                     print(row)
     finally:
-        _rows._half_set_path(old)
+        _halfconv.set_path(old)
 
 
 if __name__ == "__main__":

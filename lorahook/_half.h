@@ -56,10 +56,12 @@
  * Defining LORAHOOK_HALF_NO_SIMD builds the portable path alone, as on other
  * architectures.
  * lorahook_half_set_path forces a path (tests, benchmarks, the
- * LORAHOOK_HALF_PORTABLE environment variable read by lorahook._rows).
+ * LORAHOOK_HALF_PORTABLE environment variable read by lorahook._halfconv).
  *
- * The state (which path is active) is per translation unit: include this
- * header in one C file only.
+ * The state (which path is active) is per translation unit: lorahook._halfconv
+ * owns it and the other modules convert through the functions it exports
+ * (_halfconv.pxd); they include this header only for its constants and CPU
+ * checks.
  */
 #ifndef LORAHOOK_HALF_H
 #define LORAHOOK_HALF_H

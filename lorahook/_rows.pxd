@@ -1,35 +1,28 @@
-# Declarations of the compiled core shared between its .pyx and any other
-# Cython module that wants the kernels.
-
-cdef struct Segment:
-    # One adapter layer applied to a set of rows of one projection.
-    const float *a          # (rank, d_in), row-major (NULL with 16-bit weights)
-    const float *b          # B^T: (rank, d_out), row-major (B column-major)
-    const unsigned short *a16   # the same as 16-bit patterns when wkind >= 0
-    const unsigned short *b16
-    int wkind               # -1: float32 weights; else the _half.h kind of a16/b16
-    const float *bias       # (d_out,) or NULL
-    const unsigned short *bias16   # the bias as 16-bit patterns (wkind >= 0), or NULL
-    int rank
-    float scale             # used when row_scales is NULL
-    const int *rows         # row indices, ascending; NULL means rows 0..n_rows-1
-    const float *row_scales # one scale per entry of rows, or NULL
-    Py_ssize_t n_rows
+# cython: language_level=3
+# The interface between hooks and the kernels (see _rows.pyx).
+cimport numpy as cnp
 
 
-cdef class LayerKernel:
-    """The compiled view of one validated adapter layer (read-only arrays)."""
-    cdef const float[:, ::1] a    # (rank, d_in)
-    cdef const float[:, ::1] bt   # B^T, (rank, d_out) C-contiguous: the one layout of B
-    cdef const unsigned short[:, ::1] a16   # a and bt as 16-bit patterns (half weights)
-    cdef const unsigned short[:, ::1] bt16
-    cdef const unsigned short[::1] bias16
-    cdef int wkind                 # -1: float32 weights; else the _half.h kind
-    cdef const float[::1] bias
-    cdef readonly int rank
-    cdef readonly int d_in
-    cdef readonly int d_out
-    cdef readonly float scale
-    cdef bint has_bias
+cdef class KernelSource:
+    cdef int _dispatch        # one of the DISPATCH_* values
+    cdef bint _filled         # set once: a source never changes afterwards
 
-    cdef void fill(self, Segment *s) noexcept
+    cdef int _fill_once(self) except -1
+    cdef Py_ssize_t _rows_per_unit(self, Py_ssize_t n) except -1
+    cdef int _check_widths(self, tuple key, Py_ssize_t d_in, Py_ssize_t d_out) except -1
+    cdef int _run(self, tuple key, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n,
+                  Py_ssize_t per_unit, Py_ssize_t d_in, Py_ssize_t d_out, int kind) except -1
+
+
+cdef class KernelTable(KernelSource):
+    cdef dict _table          # key -> LayerKernel, for every row
+
+
+cdef class UnitGroups(KernelSource):
+    cdef tuple _parts         # ((label, KernelTable, {scale: (s, units, scales)}), ...)
+    cdef Py_ssize_t _units    # a call has a multiple of _units rows ...
+    cdef bint _exact          # ... or exactly _units rows
+    cdef dict _resolved       # key -> tuple of (label, kernel, s, units, scales)
+    cdef dict _plans          # rows per unit -> {key: GroupPlan}
+
+    cdef tuple _groups(self, tuple key)

@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from . import _rows
+from . import _checks, _halfconv, _kernels, _rows
 from .errors import LoraFormatError, LoraValidationError
 from .files import read_peft, read_safetensors_adapter, write_peft
 from .hook import LoraHook
@@ -59,12 +59,12 @@ def _as_float32(arr):
     """A float32 array of ``arr``'s values (``arr`` itself when it is float32); exact."""
     if arr.dtype == np.float32:
         return arr
-    return _rows._half_widen(np.ascontiguousarray(arr).view(np.uint16), arr.dtype.name)
+    return _halfconv.widen(np.ascontiguousarray(arr).view(np.uint16), arr.dtype.name)
 
 
 def _rounded(arr32, dt):
     """``arr32`` rounded to nearest even in ``dt`` (float16 / bfloat16), read-only."""
-    out = _rows._half_narrow(np.ascontiguousarray(arr32, dtype=np.float32), dt.name).view(dt)
+    out = _halfconv.narrow(np.ascontiguousarray(arr32, dtype=np.float32), dt.name).view(dt)
     out.flags.writeable = False
     return out
 
@@ -155,9 +155,9 @@ class LoraLayer:
         object.__setattr__(self, "_scale", scale)
         object.__setattr__(self, "_bias", bias)
         if a.dtype == np.float32:
-            kernel = _rows.LayerKernel(a, bt, scale, bias)
+            kernel = _kernels.LayerKernel(a, bt, scale, bias)
         else:  # 16-bit weights: the core takes their bit patterns
-            kernel = _rows.LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale,
+            kernel = _kernels.LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale,
                                        None if bias is None else bias.view(np.uint16),
                                        weights=a.dtype.name)
         object.__setattr__(self, "_kernel", kernel)
@@ -295,11 +295,11 @@ def _str_mapping(value, name):
     return out
 
 
-class LoraAdapter(_rows.KernelSource, LoraHook):
+class LoraAdapter(_rows.KernelTable, LoraHook):
     """An immutable set of LoRA layers keyed by ``(layer_idx, module)``.
 
     A :class:`~lorahook.LoraHook` that runs in the compiled core: it is a
-    kernel table of the core (``lorahook._rows.KernelSource``), so for a
+    kernel table of the core (``lorahook._rows.KernelTable``), so for a
     projection it covers, :func:`~lorahook.apply_lora_rows` adds
     ``scale * B @ (A @ x)`` (+ ``scale * bias``) to every row with the GIL
     released; for any other projection it is inactive.  Safe to share between
@@ -317,18 +317,18 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
 
     __slots__ = ("_layers", "_name", "_metadata", "_module_paths", "_view")
 
-    # How apply_lora_rows runs this class (see lorahook._rows): 0 the kernels
-    # alone, 1 the class's own is_active first, 2 its own apply per row.
-    _core_mode = 0
+    # How apply_lora_rows runs this class (lorahook._rows): the kernels alone,
+    # the class's own is_active first, or its own apply once per row.
+    _core_dispatch = _rows.DISPATCH_KERNELS
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.apply is not LoraAdapter.apply:
-            cls._core_mode = 2
+            cls._core_dispatch = _rows.DISPATCH_PER_ROW
         elif cls.is_active is not LoraAdapter.is_active:
-            cls._core_mode = 1
+            cls._core_dispatch = _rows.DISPATCH_ASK_HOOK
         else:
-            cls._core_mode = 0
+            cls._core_dispatch = _rows.DISPATCH_KERNELS
 
     def __init__(self, layers, name=None, metadata=None, *, module_paths=None):
         checked = {}
@@ -349,10 +349,11 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
             if not isinstance(path, str):
                 raise TypeError(f"module path for {key!r} must be a str, got {type(path).__name__}")
             paths[key] = path
-        object.__setattr__(self, "_layers", checked)
-        # the core's kernel table: the keys is_active is true for (rank > 0)
+        # the core's kernel table first (the keys is_active is true for, rank > 0):
+        # it refuses a second fill, before this adapter's state is touched
         self._set_table({key: layer._kernel for key, layer in checked.items() if layer.rank > 0},
-                        type(self)._core_mode)
+                        type(self)._core_dispatch)
+        object.__setattr__(self, "_layers", checked)
         object.__setattr__(self, "_view", MappingProxyType(checked))
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_metadata", _str_mapping(metadata, "metadata"))
@@ -373,13 +374,13 @@ class LoraAdapter(_rows.KernelSource, LoraHook):
         layer = self._layers.get((layer_idx, module))
         if layer is None or layer.rank == 0:
             return
-        n = _rows.check_rows(x, output, layer.d_in, layer.d_out)
+        n = _checks.check_rows(x, output, layer.d_in, layer.d_out)
         if n != 1:
             raise ValueError(
                 f"apply takes one row: x must have {layer.d_in} values and output "
                 f"{layer.d_out} for layer ({layer_idx}, {module!r}), got {n} rows "
                 f"(use apply_lora_rows for batches)")
-        _rows.apply_layer(layer._kernel, x, output, 1)
+        _kernels.apply_layer(layer._kernel, x, output, 1)
 
     # --- read-only properties ---------------------------------------------
 

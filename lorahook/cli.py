@@ -244,7 +244,7 @@ def cmd_validate(args, out):
 
 def cmd_bench(args, out):
     try:
-        from . import bench
+        from . import _bench as bench
     except ImportError as exc:
         raise CommandError(f"lorahook bench is not available: {exc}") from None
     code = bench.main(list(args.bench_args))

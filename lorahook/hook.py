@@ -27,6 +27,8 @@ class LoraHook(ABC):
     every projection.
     """
 
+    __slots__ = ()
+
     @abstractmethod
     def apply(self, layer_idx, module, x, output):
         """Add this hook's delta for one row of projection ``(layer_idx, module)``."""

@@ -13,7 +13,7 @@ uses, the ascending ``int32`` indices of its rows and their scales are
 computed once.  A projection call then does a handful of dictionary lookups
 and one call into the compiled core, which -- with the GIL released -- runs
 one matrix-matrix product pair per adapter (or the per-row loop for groups
-smaller than :func:`lorahook._rows.get_gemm_crossover`, the same crossover a
+smaller than :func:`lorahook._kernels.get_gemm_crossover`, the same crossover a
 single adapter uses), gathers rows that are not contiguous in the batch and
 scatter-adds the deltas back.  Rows without an adapter, or whose effective
 scale is zero, are never written: their output stays bit-identical.
@@ -73,7 +73,7 @@ def _check_adapter(name, adapter):
     if not isinstance(adapter, LoraAdapter):
         raise TypeError(
             f"adapter {name!r} must be a lorahook.LoraAdapter, got {type(adapter).__name__}")
-    if adapter._core_mode != 0:
+    if adapter._core_dispatch != _rows.DISPATCH_KERNELS:
         raise TypeError(
             f"adapter {name!r} is a {type(adapter).__name__} with its own is_active or apply; an "
             f"AdapterSet batches adapters in the compiled core, which would not call them "
@@ -713,18 +713,17 @@ def _group_for_scale(name, layer_scale, idx, factors, n_units):
     return (1.0, idx_arr, eff)
 
 
-class BoundBatch(_rows.KernelSource, LoraHook):
-    """The hook :meth:`AdapterSet.bind` returns: one batch, one snapshot of adapters.
+class _Bound(_rows.UnitGroups, LoraHook):
+    """What the hooks of :meth:`AdapterSet.bind` and ``bind_sequences`` share.
 
-    Pass it to :func:`~lorahook.apply_lora_rows` after each projection of
-    the batch it was bound for; a call with another row count raises
-    ``ValueError``.  For a projection, every row bound to an adapter that
-    covers it gets ``effective_scale * B @ (A @ x)`` (+ the scaled bias)
-    added, where ``effective_scale`` is the layer's scale times the row's
-    factor; rows bound to the same adapter are computed together.  Other rows
-    are never written.  Immutable, and safe to apply from several threads.
-
-    It has no meaning for a lone row: :meth:`apply` raises ``TypeError``.
+    A snapshot of adapters grouped by unit (a row, or a sequence), immutable
+    and safe to apply from several threads.  For a projection, every row of a
+    unit bound to an adapter that covers it gets
+    ``effective_scale * B @ (A @ x)`` (+ the scaled bias) added, where
+    ``effective_scale`` is the layer's scale times the unit's factor; rows
+    bound to the same adapter are computed together.  Other rows are never
+    written.  It has no meaning for a lone row: :meth:`apply` raises
+    ``TypeError``.
     """
 
     __slots__ = ("_names", "_adapters")
@@ -736,7 +735,7 @@ class BoundBatch(_rows.KernelSource, LoraHook):
 
     @classmethod
     def _make(cls, names, parts):
-        self = _rows.KernelSource.__new__(cls)
+        self = _rows.UnitGroups.__new__(cls)
         object.__setattr__(self, "_names", names)
         object.__setattr__(self, "_adapters",
                            MappingProxyType({name: adapter for name, adapter, _ in parts}))
@@ -750,32 +749,17 @@ class BoundBatch(_rows.KernelSource, LoraHook):
         raise TypeError(f"a {type(self).__name__} belongs to one process and does not pickle; "
                         f"pickle the adapters and bind again")
 
-    # --- introspection ------------------------------------------------------
-
-    @property
-    def n_rows(self):
-        """The row count this batch was bound for."""
-        return len(self._names)
-
-    @property
-    def row_adapters(self):
-        """Per row, the adapter name or ``None`` (a tuple)."""
-        return self._names
-
     @property
     def adapters(self):
         """Read-only mapping name -> the adapter this hook applies (units with non-zero scale)."""
         return self._adapters
-
-    def __repr__(self):
-        return f"BoundBatch({len(self._names)} rows, adapters {sorted(self._adapters)!r})"
 
     # --- the hook contract -------------------------------------------------
     # is_active comes from the core: true when some unit's adapter covers the
     # projection with a non-zero scale.
 
     def apply(self, layer_idx, module, x, output):
-        """Not supported: a bound batch is applied to whole batches only."""
+        """Not supported: a bound hook is applied to whole batches only."""
         raise TypeError(
             f"a bound AdapterSet hook has no meaning for a lone row: call "
             f"lorahook.apply_lora_rows(hook, layer_idx, module, input, output, "
@@ -797,7 +781,32 @@ class BoundBatch(_rows.KernelSource, LoraHook):
         return None
 
 
-class BoundSequences(BoundBatch):
+class BoundBatch(_Bound):
+    """The hook :meth:`AdapterSet.bind` returns: one batch, one snapshot of adapters.
+
+    Pass it to :func:`~lorahook.apply_lora_rows` after each projection of
+    the batch it was bound for; a call with another row count raises
+    ``ValueError``.  See :class:`_Bound` for what it adds.
+    """
+
+    __slots__ = ()
+    _exact_rows = True
+
+    @property
+    def n_rows(self):
+        """The row count this batch was bound for."""
+        return len(self._names)
+
+    @property
+    def row_adapters(self):
+        """Per row, the adapter name or ``None`` (a tuple)."""
+        return self._names
+
+    def __repr__(self):
+        return f"BoundBatch({len(self._names)} rows, adapters {sorted(self._adapters)!r})"
+
+
+class BoundSequences(_Bound):
     """The hook :meth:`AdapterSet.bind_sequences` returns: S sequences, any rows per sequence.
 
     Serves every call whose row count is a multiple of the sequence count,
@@ -817,10 +826,6 @@ class BoundSequences(BoundBatch):
     def n_sequences(self):
         """The number of sequences ``S``."""
         return len(self._names)
-
-    @property
-    def row_adapters(self):
-        raise AttributeError("a BoundSequences hook has seq_adapters, one per sequence")
 
     @property
     def seq_adapters(self):

@@ -45,7 +45,7 @@ import os
 import threading
 import warnings
 
-from . import _rows
+from . import _kernels
 
 __all__ = ["configure", "info"]
 
@@ -57,7 +57,7 @@ _settings = {"blas_threads": None, "configured": False, "found_blas_threads": No
 
 
 def _blas_path():
-    path = _rows._blas_library_path()
+    path = _kernels._blas_library_path()
     return None if path is None else os.path.realpath(path)
 
 
@@ -184,7 +184,7 @@ def info():
         "numpy_shares_blas": _shared(ours, numpy_blas),
         "configured": _settings["configured"],
         "blas_threads": _settings["blas_threads"],
-        "gemm_crossover": _rows.get_gemm_crossover(),
+        "gemm_crossover": _kernels.get_gemm_crossover(),
         "threads_started": 0,
     }
 
@@ -211,7 +211,7 @@ def _two_pools_warning():
             f"warning.", RuntimeWarning, stacklevel=2)
 
 
-_rows._set_first_batched(_two_pools_warning)
+_kernels._set_first_batched(_two_pools_warning)
 
 
 def _obsolete_environment():

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import pytest
 
-from lorahook import _rows
+from lorahook import _halfconv, _testing
 
 try:
     import ml_dtypes
@@ -28,7 +28,7 @@ except ImportError:  # the comparisons with it are skipped
 needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes is not installed")
 
 PATHS = ("portable", "avx2", "avx512")
-SUPPORTED = _rows._half_paths()["supported"]
+SUPPORTED = _halfconv.paths()["supported"]
 KINDS = ("float16", "bfloat16")
 
 
@@ -37,11 +37,11 @@ def path(request):
     """Make one conversion path active for the test, and restore the previous one."""
     name = request.param
     if name not in SUPPORTED:
-        need = _rows._half_paths()["needs"][name]
+        need = _halfconv.paths()["needs"][name]
         pytest.skip(f"the {name} path is not available (it needs x86-64 and {need})")
-    old = _rows._half_set_path(name)
+    old = _halfconv.set_path(name)
     yield name
-    _rows._half_set_path(old)
+    _halfconv.set_path(old)
 
 
 def bits32(values):
@@ -125,7 +125,7 @@ def check_narrow(u, kind):
     """Narrow float32 bits ``u`` on the active path and compare with the references."""
     u = np.ascontiguousarray(u, dtype=np.uint32)
     f = floats(u)
-    got = _rows._half_narrow(f, kind)
+    got = _halfconv.narrow(f, kind)
     assert got.dtype == np.uint16 and got.shape == f.shape
     ref = f16_reference(u) if kind == "float16" else bf16_reference(u)
     bad = got != ref
@@ -168,7 +168,7 @@ ALL16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 
 
 def test_widen_float16_every_pattern(path):
-    got = _rows._half_widen(ALL16, "float16")
+    got = _halfconv.widen(ALL16, "float16")
     assert got.dtype == np.float32 and got.shape == ALL16.shape
     ref = ALL16.view(np.float16).astype(np.float32)
     nan = np.isnan(ref)
@@ -179,7 +179,7 @@ def test_widen_float16_every_pattern(path):
 
 
 def test_widen_bfloat16_every_pattern(path):
-    got = _rows._half_widen(ALL16, "bfloat16")
+    got = _halfconv.widen(ALL16, "bfloat16")
     assert got.dtype == np.float32
     assert np.array_equal(got.view(np.uint32), ALL16.astype(np.uint32) << 16)
     if ml_dtypes is not None:
@@ -191,7 +191,7 @@ def test_widen_bfloat16_every_pattern(path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_widen_then_narrow_is_the_identity_except_for_nan_quieting(path, kind):
-    back = _rows._half_narrow(_rows._half_widen(ALL16, kind), kind)
+    back = _halfconv.narrow(_halfconv.widen(ALL16, kind), kind)
     if kind == "float16":
         nan = ((ALL16 & 0x7C00) == 0x7C00) & ((ALL16 & 0x3FF) != 0)
         expect = np.where(nan, ALL16 | 0x200, ALL16)
@@ -275,7 +275,7 @@ def test_narrow_float16_edges(path, u, h, what):
     for pos in (0, 7, 8, 15, 16, 31, 39):
         row = np.full(40, 1.0, dtype=np.float32)
         row.view(np.uint32)[pos] = u
-        got = _rows._half_narrow(row, "float16")
+        got = _halfconv.narrow(row, "float16")
         assert hex(got[pos]) == hex(h), (what, pos)
         assert (np.delete(got, pos) == 0x3C00).all()
     check_narrow(np.array([u], dtype=np.uint32), "float16")
@@ -352,7 +352,7 @@ def test_narrow_bfloat16_edges(path, u, h, what):
     for pos in (0, 7, 8, 15, 16, 31, 39):
         row = np.full(40, 1.0, dtype=np.float32)
         row.view(np.uint32)[pos] = u
-        got = _rows._half_narrow(row, "bfloat16")
+        got = _halfconv.narrow(row, "bfloat16")
         assert hex(got[pos]) == hex(h), (what, pos)
         assert (np.delete(got, pos) == 0x3F80).all()
     check_narrow(np.array([u], dtype=np.uint32), "bfloat16")
@@ -368,15 +368,15 @@ def test_every_path_gives_the_same_bits(kind):
     rng = np.random.default_rng(1605)
     u = np.concatenate([random_bits(rng, 1 << 18), bf16_ties(), f16_ties()])
     h = rng.integers(0, 1 << 16, size=1 << 18, dtype=np.uint32).astype(np.uint16)
-    old = _rows._half_set_path("portable")
+    old = _halfconv.set_path("portable")
     try:
         results = {}
         for name in SUPPORTED:
-            _rows._half_set_path(name)
-            results[name] = (_rows._half_narrow(floats(u), kind).tobytes(),
-                             _rows._half_widen(h, kind).tobytes())
+            _halfconv.set_path(name)
+            results[name] = (_halfconv.narrow(floats(u), kind).tobytes(),
+                             _halfconv.widen(h, kind).tobytes())
     finally:
-        _rows._half_set_path(old)
+        _halfconv.set_path(old)
     first = results["portable"]
     for name, res in results.items():
         assert res == first, name
@@ -396,8 +396,8 @@ def test_every_length_and_offset(path, kind):
     widen_ref = widen_reference(h, kind)
     for off in (0, 1, 3, 8):
         for n in range(0, 50):
-            assert np.array_equal(_rows._half_narrow(f[off:off + n], kind), narrow_ref[off:off + n])
-            assert np.array_equal(_rows._half_widen(h[off:off + n], kind).view(np.uint32),
+            assert np.array_equal(_halfconv.narrow(f[off:off + n], kind), narrow_ref[off:off + n])
+            assert np.array_equal(_halfconv.widen(h[off:off + n], kind).view(np.uint32),
                                   widen_ref[off:off + n])
 
 
@@ -405,9 +405,9 @@ def test_every_length_and_offset(path, kind):
 def test_shapes_are_kept(path, kind):
     for shape in [(), (0,), (3, 0), (5, 7), (2, 3, 17)]:
         f = np.full(shape, 1.5, dtype=np.float32)
-        h = _rows._half_narrow(f, kind)
+        h = _halfconv.narrow(f, kind)
         assert h.shape == shape and h.dtype == np.uint16
-        w = _rows._half_widen(h, kind)
+        w = _halfconv.widen(h, kind)
         assert w.shape == shape and w.dtype == np.float32
         assert (w == 1.5).all()
 
@@ -415,9 +415,9 @@ def test_shapes_are_kept(path, kind):
 def test_read_only_input_is_fine(path):
     f = np.linspace(-3, 3, 33, dtype=np.float32)
     f.flags.writeable = False
-    h = _rows._half_narrow(f, "bfloat16")
+    h = _halfconv.narrow(f, "bfloat16")
     h.flags.writeable = False
-    assert np.array_equal(_rows._half_widen(h, "bfloat16"), f.astype(np.float32))
+    assert np.array_equal(_halfconv.widen(h, "bfloat16"), f.astype(np.float32))
 
 
 def test_flush_to_zero_and_denormals_are_zero_change_nothing(path):
@@ -428,12 +428,12 @@ def test_flush_to_zero_and_denormals_are_zero_change_nothing(path):
     u = np.concatenate([f16_ties(), bf16_ties()[: 6 * 0x100], random_bits(rng, 1 << 16)])
     sub16 = np.arange(0, 0x400, dtype=np.uint16)
     expect = {k: check_narrow(u, k) for k in KINDS}
-    expect_w = _rows._half_widen(sub16, "float16").view(np.uint32)
+    expect_w = _halfconv.widen(sub16, "float16").view(np.uint32)
     if not torch.set_flush_denormal(True):
         pytest.skip("torch cannot set flush-denormal on this CPU")
     try:
-        got = {k: _rows._half_narrow(floats(u), k) for k in KINDS}
-        got_w = _rows._half_widen(sub16, "float16").view(np.uint32)
+        got = {k: _halfconv.narrow(floats(u), k) for k in KINDS}
+        got_w = _halfconv.widen(sub16, "float16").view(np.uint32)
     finally:
         torch.set_flush_denormal(False)
     for k in KINDS:
@@ -446,7 +446,7 @@ def test_flush_to_zero_and_denormals_are_zero_change_nothing(path):
 def test_vector_registers_are_left_clean(path, kind):
     # AVX code must end with VZEROUPPER, or every later SSE instruction of the
     # thread (numpy's, the interpreter's) runs several times slower
-    dirty = _rows._half_upper_state_after(kind)
+    dirty = _testing.half_upper_state_after(kind)
     if dirty is None:
         pytest.skip("this CPU cannot report whether the upper register halves are in use")
     assert dirty is False
@@ -457,7 +457,7 @@ def test_threads_converting_while_the_path_changes():
     # harmless because every path gives the same bits
     rng = np.random.default_rng(1608)
     f = floats(random_bits(rng, 1 << 16))
-    expect = {k: _rows._half_narrow(f, k) for k in KINDS}
+    expect = {k: _halfconv.narrow(f, k) for k in KINDS}
     errors = []
     stop = threading.Event()
 
@@ -465,23 +465,23 @@ def test_threads_converting_while_the_path_changes():
         try:
             while not stop.is_set():
                 for k in KINDS:
-                    if not np.array_equal(_rows._half_narrow(f, k), expect[k]):
+                    if not np.array_equal(_halfconv.narrow(f, k), expect[k]):
                         errors.append(k)
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=work) for _ in range(3)]
-    old = _rows._half_set_path("portable")
+    old = _halfconv.set_path("portable")
     try:
         for t in threads:
             t.start()
         for i in range(200):
-            _rows._half_set_path(SUPPORTED[i % len(SUPPORTED)])
+            _halfconv.set_path(SUPPORTED[i % len(SUPPORTED)])
     finally:
         stop.set()
         for t in threads:
             t.join()
-        _rows._half_set_path(old)
+        _halfconv.set_path(old)
     assert errors == []
 
 
@@ -492,25 +492,25 @@ def test_bad_arguments():
     f = np.zeros(4, dtype=np.float32)
     h = np.zeros(4, dtype=np.uint16)
     with pytest.raises(TypeError, match="numpy.ndarray"):
-        _rows._half_narrow([1.0, 2.0], "float16")
+        _halfconv.narrow([1.0, 2.0], "float16")
     with pytest.raises(TypeError, match="float32.*got <f8"):
-        _rows._half_narrow(np.zeros(4), "float16")
+        _halfconv.narrow(np.zeros(4), "float16")
     with pytest.raises(TypeError, match="float32"):
-        _rows._half_narrow(f.astype(">f4"), "float16")
+        _halfconv.narrow(f.astype(">f4"), "float16")
     with pytest.raises(TypeError, match="uint16.*got <f2"):
-        _rows._half_widen(np.zeros(4, dtype=np.float16), "float16")
+        _halfconv.widen(np.zeros(4, dtype=np.float16), "float16")
     with pytest.raises(TypeError, match="uint16"):
-        _rows._half_widen(h.astype(">u2"), "bfloat16")
+        _halfconv.widen(h.astype(">u2"), "bfloat16")
     with pytest.raises(ValueError, match="C-contiguous"):
-        _rows._half_narrow(np.zeros(8, dtype=np.float32)[::2], "float16")
+        _halfconv.narrow(np.zeros(8, dtype=np.float32)[::2], "float16")
     with pytest.raises(ValueError, match="C-contiguous"):
-        _rows._half_widen(np.zeros((4, 4), dtype=np.uint16).T, "float16")
+        _halfconv.widen(np.zeros((4, 4), dtype=np.uint16).T, "float16")
     with pytest.raises(ValueError, match="'float16' or 'bfloat16'.*'half'"):
-        _rows._half_narrow(f, "half")
+        _halfconv.narrow(f, "half")
     with pytest.raises(TypeError, match="'float16' or 'bfloat16'"):
-        _rows._half_widen(h, np.float16)
+        _halfconv.widen(h, np.float16)
     with pytest.raises(ValueError, match="one of"):
-        _rows._half_set_path("sse")
+        _halfconv.set_path("sse")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -519,24 +519,24 @@ def test_repeat_loop_converts_like_the_array_functions(path, kind):
     f = floats(random_bits(rng, 1000))
     h = np.empty(1000, dtype=np.uint16)
     w = np.empty(1000, dtype=np.float32)
-    _rows._half_repeat(f, h, kind, 3)
-    assert np.array_equal(h, _rows._half_narrow(f, kind))
-    _rows._half_repeat(h, w, kind, 2)
-    assert np.array_equal(w.view(np.uint32), _rows._half_widen(h, kind).view(np.uint32))
-    _rows._half_repeat(f[:0], h[:0], kind, 5)
+    _testing.half_repeat(f, h, kind, 3)
+    assert np.array_equal(h, _halfconv.narrow(f, kind))
+    _testing.half_repeat(h, w, kind, 2)
+    assert np.array_equal(w.view(np.uint32), _halfconv.widen(h, kind).view(np.uint32))
+    _testing.half_repeat(f[:0], h[:0], kind, 5)
     with pytest.raises(ValueError, match="overlap"):
-        _rows._half_repeat(f, f.view(np.uint16)[:1000], kind, 1)
+        _testing.half_repeat(f, f.view(np.uint16)[:1000], kind, 1)
     with pytest.raises(ValueError, match="1000 values"):
-        _rows._half_repeat(f, h[:10], kind, 1)
+        _testing.half_repeat(f, h[:10], kind, 1)
     with pytest.raises(TypeError, match="out must have dtype uint16"):
-        _rows._half_repeat(f, w, kind, 1)
+        _testing.half_repeat(f, w, kind, 1)
     h.flags.writeable = False
     with pytest.raises(ValueError, match="writable"):
-        _rows._half_repeat(f, h, kind, 1)
+        _testing.half_repeat(f, h, kind, 1)
 
 
 def test_paths_report():
-    info = _rows._half_paths()
+    info = _halfconv.paths()
     assert info["supported"][0] == "portable"
     assert set(info["supported"]) <= set(PATHS)
     assert info["active"] in info["supported"] and info["best"] == info["supported"][-1]
@@ -548,34 +548,34 @@ def test_unsupported_path_is_refused_and_changes_nothing():
     missing = [p for p in PATHS if p not in SUPPORTED]
     if not missing:
         pytest.skip("every path is available here")
-    before = _rows._half_paths()["active"]
+    before = _halfconv.paths()["active"]
     with pytest.raises(ValueError, match="not available"):
-        _rows._half_set_path(missing[0])
-    assert _rows._half_paths()["active"] == before
+        _halfconv.set_path(missing[0])
+    assert _halfconv.paths()["active"] == before
 
 
 def test_set_portable_switches_and_returns_the_old_state():
-    old = _rows._half_set_path("portable")
+    old = _halfconv.set_path("portable")
     try:
-        assert _rows._half_set_portable(False) is True
-        assert _rows._half_paths()["active"] == _rows._half_paths()["best"]
-        assert _rows._half_set_portable(True) is (_rows._half_paths()["best"] == "portable")
-        assert _rows._half_paths()["active"] == "portable"
+        assert _halfconv.set_portable(False) is True
+        assert _halfconv.paths()["active"] == _halfconv.paths()["best"]
+        assert _halfconv.set_portable(True) is (_halfconv.paths()["best"] == "portable")
+        assert _halfconv.paths()["active"] == "portable"
     finally:
-        _rows._half_set_path(old)
+        _halfconv.set_path(old)
 
 
 @pytest.mark.parametrize("value, portable", [(None, False), ("", False), ("0", False),
                                              (" 1 ", True), ("1", True)])
 def test_environment_values(value, portable, recwarn):
-    assert _rows._half_portable_from_env(value) is portable
+    assert _halfconv.portable_from_env(value) is portable
     assert len(recwarn) == 0
 
 
 @pytest.mark.parametrize("value", ["yes", "true", "2", "portable"])
 def test_invalid_environment_value_warns_and_keeps_the_default(value):
     with pytest.warns(RuntimeWarning, match=r"LORAHOOK_HALF_PORTABLE=.*default.*=0"):
-        assert _rows._half_portable_from_env(value) is False
+        assert _halfconv.portable_from_env(value) is False
 
 
 def _child(env_value, code):
@@ -587,7 +587,7 @@ def _child(env_value, code):
                           text=True, timeout=120, cwd=os.path.dirname(__file__))
 
 
-_REPORT = ("import sys, lorahook, lorahook._rows as r; p = r._half_paths(); "
+_REPORT = ("import sys, lorahook, lorahook._halfconv as r; p = r.paths(); "
            "print(p['active'], p['best'], p['env_portable'], 'ml_dtypes' in sys.modules)")
 
 
@@ -624,14 +624,14 @@ def test_without_the_variable_the_fastest_path_is_used():
 @pytest.mark.parametrize("kind", KINDS)
 def test_narrow_every_float32(kind):
     chunk = 1 << 24
-    old = _rows._half_set_path("portable")
+    old = _halfconv.set_path("portable")
     try:
         for start in range(0, 1 << 32, chunk):
             u = np.arange(start, start + chunk, dtype=np.uint64).astype(np.uint32)
-            _rows._half_set_path("portable")
+            _halfconv.set_path("portable")
             ref = check_narrow(u, kind)
             for name in SUPPORTED[1:]:
-                _rows._half_set_path(name)
-                assert np.array_equal(_rows._half_narrow(floats(u), kind), ref), (name, hex(start))
+                _halfconv.set_path(name)
+                assert np.array_equal(_halfconv.narrow(floats(u), kind), ref), (name, hex(start))
     finally:
-        _rows._half_set_path(old)
+        _halfconv.set_path(old)

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from lorahook import AdapterSet, LoraAdapter, LoraLayer, _rows, apply_lora_rows
+from lorahook import AdapterSet, apply_lora_rows, _kernels, LoraAdapter, LoraLayer, _testing
 
 
 def _layer(rng, d_in, d_out, rank=4, scale=0.5, bias=False):
@@ -136,10 +136,10 @@ def test_overlap_is_refused_on_every_entry_point_with_nothing_written():
         "bound batch": lambda x, y: apply_lora_rows(s.bind(["a"] * n), 0, "q_proj", x, y, 6, 6),
         "bound sequences": lambda x, y: apply_lora_rows(s.bind_sequences(["a", None]), 0,
                                                         "q_proj", x, y, 6, 6),
-        "apply_layer": lambda x, y: _rows.apply_layer(layer._kernel, x, y, n),
-        "apply_groups": lambda x, y: _rows.apply_groups([(layer._kernel, 1.0, None, None)],
+        "apply_layer": lambda x, y: _kernels.apply_layer(layer._kernel, x, y, n),
+        "apply_groups": lambda x, y: _testing.apply_groups([(layer._kernel, 1.0, None, None)],
                                                         x, y, n, 6, 6),
-        "GroupPlan.apply": lambda x, y: _rows.GroupPlan([(layer._kernel, 1.0, None, None)],
+        "GroupPlan.apply": lambda x, y: _kernels.GroupPlan([(layer._kernel, 1.0, None, None)],
                                                         n, 6, 6).apply(x, y),
         "LoraAdapter.apply": lambda x, y: adapter.apply(0, "q_proj", x[:6], x[3:9]),
     }

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lorahook import LoraAdapter, LoraHook, LoraLayer, NoopLoraHook, apply_lora_rows
-from lorahook import _rows
+from lorahook import _kernels, _testing
 
 D_IN, D_OUT, RANK, N = 6, 5, 3, 4
 KEY = (2, "v_proj")
@@ -258,7 +258,7 @@ def test_read_only_input_is_fine():
 
 
 BAD_WIDTH_VALUES = [0, -1, -6, -(2**63), 2**31, 2**40, 2**63, 2**64 + 6, 10**30]
-BAD_WIDTH_TYPES = [6.0, True, False, "6", None, b"6", np.float32(6), np.float64(6.0), 6 + 0j,
+BAD_WIDTH_TYPES = [6.0, True, False, "6", b"6", np.float32(6), np.float64(6.0), 6 + 0j,
                    fractions.Fraction(6), decimal.Decimal(6), [6],
                    pytest.param(np.array([6]), id="ndarray-1d"),
                    pytest.param(np.array([[6]]), id="ndarray-2d")]
@@ -280,6 +280,33 @@ def test_bad_width_types(hook_name, value, which):
     kwargs = {"w_in": value} if which == "input_row_width" else {"w_out": value}
     err = assert_refused(TypeError, _hooks()[hook_name], good_input(), good_output(), **kwargs)
     assert which in str(err)
+
+
+@pytest.mark.parametrize("hook_name", HOOK_NAMES)
+def test_widths_taken_from_two_d_arrays(hook_name):
+    hook = _hooks()[hook_name]
+    inp = good_input()
+    expect = good_output()
+    apply_lora_rows(hook, KEY[0], KEY[1], inp, expect, D_IN, D_OUT)
+    got = good_output()
+    apply_lora_rows(hook, KEY[0], KEY[1], inp, got)
+    assert np.array_equal(got, expect)
+    got = good_output()
+    apply_lora_rows(hook, KEY[0], KEY[1], inp, got, input_row_width=D_IN)
+    assert np.array_equal(got, expect)
+
+
+@pytest.mark.parametrize("hook_name", HOOK_NAMES)
+def test_widths_left_out_need_two_d_arrays_and_given_ones_are_checked(hook_name):
+    hook = _hooks()[hook_name]
+    err = assert_refused(TypeError, hook, good_input().ravel(), good_output(), w_in=None,
+                         w_out=None)
+    assert "input_row_width is required for a 1-D input" in str(err)
+    err = assert_refused(TypeError, hook, good_input(), good_output().ravel(), w_in=None,
+                         w_out=None)
+    assert "output_row_width is required for a 1-D output" in str(err)
+    err = assert_refused(ValueError, hook, good_input(), good_output(), w_in=None, w_out=D_OUT + 1)
+    assert "output_row_width" in str(err) and str(D_OUT + 1) in str(err)
 
 
 @pytest.mark.parametrize("int_type", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32,
@@ -437,11 +464,11 @@ def test_apply_layer_refuses_bad_row_counts():
     for n in (-1, 1, 2**62, 2**61 + 1):
         out = e.copy()
         with pytest.raises((ValueError, OverflowError)):
-            _rows.apply_layer(k, e, out, n)
+            _kernels.apply_layer(k, e, out, n)
     out = good_output()
     before = out.tobytes()
     with pytest.raises(ValueError):
-        _rows.apply_layer(k, good_input(), out, N + 1)
+        _kernels.apply_layer(k, good_input(), out, N + 1)
     assert out.tobytes() == before
 
 
@@ -449,25 +476,25 @@ def test_huge_row_count_with_empty_buffers_does_not_crash():
     """A row count whose product with the width wraps must be refused (in a child, in case it crashes)."""
     code = textwrap.dedent("""
         import numpy as np
-        from lorahook import LoraLayer, _rows
+        from lorahook import _kernels, LoraLayer, _testing
         k = LoraLayer(np.ones((2, 4), np.float32), np.ones((4, 2), np.float32))._kernel
         e = np.zeros(0, np.float32)
         for n in (2**62, 2**63 - 1, 2**62 + 2**61):
             try:
-                _rows.apply_layer(k, e, e.copy(), n)
+                _kernels.apply_layer(k, e, e.copy(), n)
             except (ValueError, OverflowError):
                 pass
             else:
                 raise SystemExit("accepted n=%d" % n)
             try:
-                _rows.apply_groups([(k, 1.0, None, None)], e, e.copy(), n, 4, 4)
+                _testing.apply_groups([(k, 1.0, None, None)], e, e.copy(), n, 4, 4)
             except (ValueError, OverflowError):
                 pass
             else:
                 raise SystemExit("apply_groups accepted n=%d" % n)
         for d in (0, -4):
             try:
-                _rows.apply_groups([(k, 1.0, None, None)], e, e.copy(), 3, d, d)
+                _testing.apply_groups([(k, 1.0, None, None)], e, e.copy(), 3, d, d)
             except (ValueError, ZeroDivisionError):
                 pass
             else:
@@ -498,7 +525,7 @@ def test_apply_groups_refuses_bad_rows(rows, rs, exc):
     out = good_output()
     before = out.tobytes()
     with pytest.raises(exc):
-        _rows.apply_groups([good, (k, 1.0, rows, rs)], good_input(), out, N, D_IN, D_OUT)
+        _testing.apply_groups([good, (k, 1.0, rows, rs)], good_input(), out, N, D_IN, D_OUT)
     assert out.tobytes() == before, "an earlier valid group was applied before a later one was refused"
 
 
@@ -506,19 +533,19 @@ def test_apply_groups_wrong_layer_shape():
     out = good_output()
     before = out.tobytes()
     with pytest.raises(ValueError):
-        _rows.apply_groups([(_layer(D_IN + 1)._kernel, 1.0, None, None)],
+        _testing.apply_groups([(_layer(D_IN + 1)._kernel, 1.0, None, None)],
                            good_input(), out, N, D_IN, D_OUT)
     with pytest.raises(TypeError):
-        _rows.apply_groups([("not a kernel", 1.0, None, None)], good_input(), out, N, D_IN, D_OUT)
+        _testing.apply_groups([("not a kernel", 1.0, None, None)], good_input(), out, N, D_IN, D_OUT)
     assert out.tobytes() == before
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, True, "8", None, 2**40])
 def test_set_gemm_crossover_refuses(value):
-    old = _rows.get_gemm_crossover()
+    old = _kernels.get_gemm_crossover()
     with pytest.raises((TypeError, ValueError)):
-        _rows.set_gemm_crossover(value)
-    assert _rows.get_gemm_crossover() == old
+        _kernels.set_gemm_crossover(value)
+    assert _kernels.get_gemm_crossover() == old
 
 
 def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
@@ -527,9 +554,9 @@ def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
     code = textwrap.dedent("""
         import gc
         import numpy as np
-        from lorahook import _rows
+        from lorahook import _kernels, _testing
         x = np.ones((4, 8), np.float32)
-        k = _rows.LayerKernel(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 1.0)
+        k = _kernels.LayerKernel(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 1.0)
         rows = np.array([0, 1], np.int32)
         groups = []
 
@@ -540,12 +567,12 @@ def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
                 gc.collect()
                 return 1.0
 
-        _rows.set_gemm_crossover(1)
-        for layer in (k, _rows.LayerKernel(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 1.0)):
+        _kernels.set_gemm_crossover(1)
+        for layer in (k, _kernels.LayerKernel(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 1.0)):
             y = np.zeros((4, 8), np.float32)
             groups[:] = [(layer, 1.0, rows, None), (layer, Rewrite(), None, None)]
             layer = None
-            _rows.apply_groups(groups, x, y, 4, 8, 8)
+            _testing.apply_groups(groups, x, y, 4, 8, 8)
             # rows were taken as they were when the call started: 0 and 1 get both groups
             assert (y[:2] == 32).all() and (y[2:] == 16).all(), y
             rows[1] = 1

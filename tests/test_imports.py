@@ -7,6 +7,7 @@ submodule is imported is not an edge (``lorahook.models.base`` does not depend o
 ``lorahook.models/__init__``, it only lives in it).
 """
 import ast
+import re
 from pathlib import Path
 
 import lorahook
@@ -15,21 +16,22 @@ ROOT = Path(lorahook.__file__).resolve().parent
 
 
 def module_names():
-    """``{dotted name: path}`` of every Python module in the lorahook package (and _rows)."""
+    """``{dotted name: path}`` of every Python and Cython module in the lorahook package."""
     names = {}
     for path in ROOT.rglob("*.py"):
         parts = path.relative_to(ROOT.parent).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
         names[".".join(parts)] = path
-    names["lorahook._rows"] = ROOT / "_rows.pyx"
+    for path in ROOT.glob("*.pyx"):
+        names[f"lorahook.{path.stem}"] = path
     return names
 
 
 def imports_of(name, path, known):
     """The lorahook modules ``name`` imports anywhere in its source."""
-    if path.suffix != ".py":
-        return set()
+    if path.suffix == ".pyx":
+        return _cython_imports_of(name, path, known)
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
@@ -56,6 +58,30 @@ def imports_of(name, path, known):
                 target = target.rpartition(".")[0]
             if target and target != name:
                 out.add(target)
+    return out
+
+
+_CYTHON_IMPORT = re.compile(
+    r"^\s*(?:from\s+([\w.]+)\s+(c?)import\s+([\w, ]+)|c?import\s+([\w.]+))")
+
+
+def _cython_imports_of(name, path, known):
+    """The lorahook modules a ``.pyx`` file imports or cimports (its top-level lines)."""
+    out = set()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = _CYTHON_IMPORT.match(line)
+        if not m:
+            continue
+        if m.group(4):
+            targets = [m.group(4)]
+        else:  # "from lorahook cimport _blas" cimports a .pxd of its own, not the package
+            targets = [f"{m.group(1)}.{n.strip()}" for n in m.group(3).split(",")]
+            if not (m.group(2) and m.group(1) == "lorahook"):
+                targets.append(m.group(1))
+        for target in targets:
+            if target in known and target != name:
+                out.add(target)
+                break
     return out
 
 
@@ -116,3 +142,27 @@ def test_file_and_model_code_never_import_the_adapter():
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_compiled_core_is_layered():
+    g = graph()
+    core = {"lorahook._checks", "lorahook._halfconv", "lorahook._kernels", "lorahook._rows"}
+    # edges that must be there, so that an unread .pyx cannot pass
+    assert {"lorahook._checks", "lorahook._kernels"} <= g["lorahook._rows"]
+    assert {"lorahook._checks", "lorahook._halfconv"} <= g["lorahook._kernels"]
+    assert "lorahook._halfconv" in g["lorahook._load"]
+    for name in core:
+        # the core knows kernels and buffers: not files, not test entry points
+        assert not g[name] & {"lorahook._load", "lorahook._testing"}, name
+        assert all(t.startswith("lorahook._") for t in g[name]), (name, g[name])
+    for name, targets in g.items():
+        if name != "lorahook._testing":
+            assert "lorahook._testing" not in targets, name
+
+
+def test_no_source_file_of_the_package_is_over_a_thousand_lines():
+    sources = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".pyx", ".pxd", ".h")]
+    assert len(sources) > 20
+    long = {p.name: n for p in sources
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 1000}
+    assert not long, long

@@ -127,8 +127,8 @@ def test_one_buffer_per_load_holding_exactly_nbytes(tmp_path, dtype):
     assert len(owners) == 1, "every array a loaded adapter keeps is a view of one buffer"
     owner = arrays[0].base
     # the buffer holds memory of its own, on a cache-line boundary
-    from lorahook import _rows
-    assert type(owner.base) is _rows._AlignedBlock and owner.dtype == np.float32
+    from lorahook import _load
+    assert type(owner.base) is _load._AlignedBlock and owner.dtype == np.float32
     assert owner.ctypes.data % 64 == 0
     # the buffer holds the kept arrays and nothing else, without overlaps
     assert owner.nbytes == adapter.nbytes == sum(arr.nbytes for arr in arrays)
@@ -388,18 +388,18 @@ def _plan_row(**changes):
     dict(offset=2**63 - 5, kind=1),
 ])
 def test_read_plan_refuses_what_would_write_outside_the_buffer(tmp_path, changes):
-    from lorahook import _rows
+    from lorahook import _load
     f = tmp_path / "data.bin"
     f.write_bytes(np.arange(64, dtype="<f4").tobytes())
     buffer = np.full(8, -1.0, dtype=np.float32)
     plan = np.array([_plan_row(**changes)], dtype=np.int64)
     with open(f, "rb") as fh, pytest.raises(ValueError, match="plan row 0 is not a tensor inside"):
-        _rows._read_plan(fh.fileno(), plan, buffer, np.zeros(1, np.int64), 256, 256, 4)
+        _load.read_plan(fh.fileno(), plan, buffer, np.zeros(1, np.int64), 256, 256, 4)
     assert (buffer == -1).all()
 
 
 def test_read_plan_limits_and_shapes_are_checked(tmp_path):
-    from lorahook import _rows
+    from lorahook import _load
     f = tmp_path / "data.bin"
     f.write_bytes(np.arange(64, dtype="<f4").tobytes())
     buffer = np.zeros(8, dtype=np.float32)
@@ -407,23 +407,23 @@ def test_read_plan_limits_and_shapes_are_checked(tmp_path):
     with open(f, "rb") as fh:
         for limits in ((256, 256, 0), (256, 256, 1025), (63, 256, 4), (256, 0, 4)):
             with pytest.raises(ValueError, match="limits out of range"):
-                _rows._read_plan(fh.fileno(), plan, buffer, np.zeros(1, np.int64), *limits)
+                _load.read_plan(fh.fileno(), plan, buffer, np.zeros(1, np.int64), *limits)
         with pytest.raises(ValueError, match="7 columns"):
-            _rows._read_plan(fh.fileno(), plan[:, :6].copy(), buffer, np.zeros(1, np.int64), 256, 256, 4)
+            _load.read_plan(fh.fileno(), plan[:, :6].copy(), buffer, np.zeros(1, np.int64), 256, 256, 4)
         with pytest.raises(ValueError, match="one entry per tensor"):
-            _rows._read_plan(fh.fileno(), plan, buffer, np.zeros(2, np.int64), 256, 256, 4)
+            _load.read_plan(fh.fileno(), plan, buffer, np.zeros(2, np.int64), 256, 256, 4)
         # a transposed tensor read from byte 8: (2, 3) in the file, (3, 2) in the buffer
         plan = np.array([[8, 6, 1, 2, 3, 0, 1]], dtype=np.int64)
         bad = np.zeros(1, np.int64)
-        assert _rows._read_plan(fh.fileno(), plan, buffer, bad, 64, 64, 1) == (0, 0)
+        assert _load.read_plan(fh.fileno(), plan, buffer, bad, 64, 64, 1) == (0, 0)
         np.testing.assert_array_equal(buffer[1:7], np.arange(2, 8, dtype=np.float32).reshape(2, 3).T.ravel())
         assert buffer[0] == 0 and buffer[7] == 0 and bad[0] == 0
         # past the end of the file: the tensor the file ended in
         plan = np.array([[240, 8, 0, 8, 1, 0, 0]], dtype=np.int64)
-        assert _rows._read_plan(fh.fileno(), plan, buffer, bad, 64, 64, 1) == (1, 0)
+        assert _load.read_plan(fh.fileno(), plan, buffer, bad, 64, 64, 1) == (1, 0)
     fd = os.open(tmp_path, os.O_RDONLY)  # a directory: every read fails
     try:
-        status, err = _rows._read_plan(fd, np.array([_plan_row()], np.int64), buffer, bad, 64, 64, 1)
+        status, err = _load.read_plan(fd, np.array([_plan_row()], np.int64), buffer, bad, 64, 64, 1)
     finally:
         os.close(fd)
     assert (status, err) == (2, errno.EISDIR)
@@ -436,7 +436,7 @@ def test_read_plan_limits_and_shapes_are_checked(tmp_path):
 def test_read_plan_transposes_at_any_alignment(tmp_path, start, rows, cols, kind):
     # start 0 and 16 with rows a multiple of 16: whole aligned lines, stored past the cache;
     # a file row of more than 64 bytes (17 float32 columns, 33 half ones) grows the bounce buffer
-    from lorahook import _rows
+    from lorahook import _load
     values = np.random.default_rng(rows * cols + kind).standard_normal((rows, cols)).astype(np.float32)
     if kind == 0:
         raw, want = values.astype("<f4").tobytes(), values
@@ -447,31 +447,31 @@ def test_read_plan_transposes_at_any_alignment(tmp_path, start, rows, cols, kind
         raw, want = bits.tobytes(), (bits.astype(np.uint32) << 16).view(np.float32)
     f = tmp_path / "t.bin"
     f.write_bytes(b"\0" * 8 + raw)
-    buffer = _rows._aligned_floats(start + rows * cols + 5, False)
+    buffer = _load.aligned_floats(start + rows * cols + 5, False)
     buffer[:] = -7
     bad = np.zeros(1, np.int64)
     plan = np.array([[8, rows * cols, start, rows, cols, kind, 1]], dtype=np.int64)
     with open(f, "rb") as fh:
-        assert _rows._read_plan(fh.fileno(), plan, buffer, bad, 64, 256, 3) == (0, 0)
+        assert _load.read_plan(fh.fileno(), plan, buffer, bad, 64, 256, 3) == (0, 0)
     np.testing.assert_array_equal(buffer[start:start + rows * cols].reshape(cols, rows), want.T)
     assert (buffer[:start] == -7).all() and (buffer[start + rows * cols:] == -7).all() and bad[0] == 0
 
 
 def test_aligned_floats():
-    from lorahook import _rows
+    from lorahook import _load
     for n, hugepages in ((0, False), (1, True), (1000, False), (2**21, True)):
-        arr = _rows._aligned_floats(n, hugepages)
+        arr = _load.aligned_floats(n, hugepages)
         assert arr.shape == (n,) and arr.dtype == np.float32 and arr.flags.writeable
         assert arr.ctypes.data % 64 == 0 and arr.nbytes == 4 * n
         arr[:] = 1.5
         assert arr.sum() == 1.5 * n
     for n in (-1, 2**61, 2**63 - 1):
         with pytest.raises(ValueError, match=r"n must be in 0\.\.2305843009213693951"):
-            _rows._aligned_floats(n, False)
+            _load.aligned_floats(n, False)
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        arr = _rows._aligned_floats(1 << 20, False)
+        arr = _load.aligned_floats(1 << 20, False)
         assert tracemalloc.get_traced_memory()[0] - before >= 4 << 20
         numpy_domain = tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)
         traced = tracemalloc.take_snapshot().filter_traces([numpy_domain]).traces

@@ -15,7 +15,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from lorahook import AdapterSet, LoraAdapter, LoraHook, LoraLayer, apply_lora_rows
-from lorahook import _rows
+from lorahook import _kernels, _testing
 
 MODULE = "q_proj"
 LAYER = 3
@@ -28,14 +28,14 @@ SENTINEL = np.uint32(0x7FC0DEAD)  # a quiet NaN with a payload nothing computes
 
 @contextlib.contextmanager
 def crossover(n):
-    old = _rows.set_gemm_crossover(n)
+    old = _kernels.set_gemm_crossover(n)
     try:
         yield
     finally:
-        _rows.set_gemm_crossover(old)
+        _kernels.set_gemm_crossover(old)
 
 
-CROSSOVER_AT_IMPORT = _rows.get_gemm_crossover()
+CROSSOVER_AT_IMPORT = _kernels.get_gemm_crossover()
 PATHS = {"default": None, "row_loop": 2**30, "batched": 1}
 
 
@@ -312,7 +312,7 @@ def test_apply_groups_matches_reference(case, two_d, path, seed):
     gx = Guarded(x, two_d)
     gy = Guarded(y, two_d)
     with path_ctx(path):
-        _rows.apply_groups(groups, gx.view, gy.view, n, d_in, d_out)
+        _testing.apply_groups(groups, gx.view, gy.view, n, d_in, d_out)
     gx.assert_guards_intact()
     gy.assert_guards_intact()
     got = gy.rows()
@@ -405,7 +405,7 @@ def test_batches_larger_than_one_scratch_chunk(grouped):
         expected[rows] = ref_delta(layer, x[rows], np.float32(-0.75))
         gy = Guarded(y, True)
         with crossover(1):
-            _rows.apply_groups([(layer._kernel, -0.75, rows, None)], x, gy.view, n, d_in, d_out)
+            _testing.apply_groups([(layer._kernel, -0.75, rows, None)], x, gy.view, n, d_in, d_out)
         gy.assert_guards_intact()
         assert_output_close(gy.rows(), y, expected)
         others = np.setdiff1d(np.arange(n), rows)
@@ -418,4 +418,4 @@ def test_batches_larger_than_one_scratch_chunk(grouped):
 
 def test_crossover_restored():
     """The tests above leave the crossover as this module found it."""
-    assert _rows.get_gemm_crossover() == CROSSOVER_AT_IMPORT
+    assert _kernels.get_gemm_crossover() == CROSSOVER_AT_IMPORT

@@ -1,4 +1,4 @@
-"""Mixed-adapter ``generate`` (see :mod:`lorahook.bench_generate`): base, PEFT, lorahook.
+"""Mixed-adapter ``generate`` (see :mod:`lorahook._bench_generate`): base, PEFT, lorahook.
 
 Skipped (``NotImplementedError``) where torch, transformers or peft are not
 installed, or on lorahook versions without sequence selections.
@@ -17,7 +17,7 @@ class MixedGenerate:
     def setup(self, contender, dtype):
         try:
             import torch
-            from lorahook import bench_generate, threads
+            from lorahook import _bench_generate as bench_generate, threads
         except ImportError:
             raise NotImplementedError
         threads.configure(blas_threads=1)

@@ -15,7 +15,7 @@ import numpy as np
 import lorahook
 from lorahook import LoraAdapter, LoraLayer, NoopLoraHook, Qwen35Config, apply_lora_rows
 from lorahook import threads as lh_threads
-from lorahook.bench import QWEN35_0_8B
+from lorahook._bench import QWEN35_0_8B
 
 
 def _layer(rng, d_in, d_out, rank):
@@ -199,7 +199,7 @@ class BindPerStep:
     timeout = 300
 
     def setup(self, mode):
-        bench = __import__("lorahook.bench", fromlist=["bind_cost_setup"])
+        bench = __import__("lorahook._bench", fromlist=["bind_cost_setup"])
         if not hasattr(bench, "bind_cost_setup"):
             raise NotImplementedError
         _configure()
@@ -225,7 +225,7 @@ class HalfPrecision:
     param_names = ["rows_shape", "dtype"]
 
     def setup(self, rows_shape, dtype):
-        from lorahook import _rows
+        from lorahook import _halfconv, _rows
         if not hasattr(_rows, "_apply_lora_bits"):
             raise NotImplementedError
         _configure()
@@ -235,7 +235,7 @@ class HalfPrecision:
         x = rng.standard_normal((n, d_in)).astype(np.float32)
         y = np.zeros((n, d_out), np.float32)
         if dtype == "bfloat16":
-            xb, yb = _rows._half_narrow(x, "bfloat16"), _rows._half_narrow(y, "bfloat16")
+            xb, yb = _halfconv.narrow(x, "bfloat16"), _halfconv.narrow(y, "bfloat16")
             self.call = lambda: _rows._apply_lora_bits(hook, 0, "q_proj", xb, yb, d_in, d_out, True)
         elif dtype == "float16":
             xh, yh = x.astype(np.float16), y.astype(np.float16)

@@ -33,7 +33,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .. import _rows
+from .. import _load
 
 from ..errors import LoraFormatError
 
@@ -385,7 +385,7 @@ _HUGEPAGES = _numpy_advises_hugepages()
 
 
 def _plan(tensors, data_start: int, wanted: tuple, transposed: tuple):
-    """What :func:`_rows._read_plan` is given to read ``wanted`` of a checked header.
+    """What :func:`_load.read_plan` is given to read ``wanted`` of a checked header.
 
     Returns ``(plan, names in file order, {name: (start, count, shape)}, total values)``;
     the plan is read-only.  Raises :class:`LoraFormatError` (without the file's name).
@@ -455,12 +455,12 @@ def read_float32(
                                                lambda: _plan(tensors, data_start, wanted, flip))
     except LoraFormatError as exc:
         raise LoraFormatError(f"{path}: {exc}") from None
-    buffer = _rows._aligned_floats(start, _HUGEPAGES)
+    buffer = _load.aligned_floats(start, _HUGEPAGES)
     bad = np.zeros(len(order), dtype=np.int64)
     with open(path, "rb", buffering=0) as f:
         if os.fstat(f.fileno()).st_size != file_size:
             raise LoraFormatError(f"{path}: the file changed size while it was being read")
-        status, detail = _rows._read_plan(f.fileno(), plan, buffer, bad,
+        status, detail = _load.read_plan(f.fileno(), plan, buffer, bad,
                                           _SCRATCH_BYTES, _RUN_BYTES, _MAX_RUN)
     if status == 1:
         raise LoraFormatError(

@@ -48,7 +48,7 @@ faster path for longer than one might guess: the time ratio sgemm/sgemv was
 1.9-2.1 at 8 rows, 1.3-1.7 at 16, 0.8-1.7 at 32 (below 1 only at rank 64) and
 0.7-1.2 at 48-96 rows.  The default crossover is 32 rows, where the two paths
 are within about 15% of each other at ranks 8-64;
-:func:`lorahook._rows.set_gemm_crossover` changes it.
+:func:`lorahook._kernels.set_gemm_crossover` changes it.
 """
 import argparse
 import os
@@ -168,7 +168,8 @@ def _half(timer, rng, n, d_in, d_out, rank, rounds=1):
     uses (``_rows._apply_lora_bits``), so that the benchmark needs no ml_dtypes.
     """
     from . import LoraAdapter, apply_lora_rows
-    from ._rows import _apply_lora_bits, _half_narrow
+    from ._halfconv import narrow as _half_narrow
+    from ._rows import _apply_lora_bits
     layer = _layer(rng, d_in, d_out, rank)
     hook = LoraAdapter({(0, "q_proj"): layer})
     X = rng.standard_normal((n, d_in)).astype(np.float32)
@@ -513,9 +514,9 @@ def _bind_cost(rng, rounds):
 
 
 def _generate_scenario(quick):
-    """:mod:`lorahook.bench_generate`, or why it was skipped."""
+    """:mod:`lorahook._bench_generate`, or why it was skipped."""
     try:
-        from . import bench_generate
+        from . import _bench_generate as bench_generate
         import peft  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
@@ -618,7 +619,7 @@ def format_report(res):
         if "skip" in gen:
             lines.append(f"mixed-batch generate: skipped ({gen['skip']})")
         else:
-            from .bench_generate import format_report as generate_report
+            from ._bench_generate import format_report as generate_report
             for dtype, g in gen.items():
                 lines.append(generate_report(g))
                 targets.append((f"generate {dtype}: lorahook / base model", g["lorahook/base"], 1.2))

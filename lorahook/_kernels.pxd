@@ -1,0 +1,56 @@
+# cython: language_level=3
+# The kernels: adapter layers as typed views, and the GIL-free row kernels
+# that apply them to checked buffers.  Shared with lorahook._rows (the hook
+# interface) and lorahook._testing.
+cimport numpy as cnp
+
+cdef struct Segment:
+    # One adapter layer applied to a set of rows of one projection.
+    const float *a          # (rank, d_in), row-major (NULL with 16-bit weights)
+    const float *b          # B^T: (rank, d_out), row-major (B column-major)
+    const unsigned short *a16   # the same as 16-bit patterns when wkind >= 0
+    const unsigned short *b16
+    int wkind               # -1: float32 weights; else the _half.h kind of a16/b16
+    const float *bias       # (d_out,) or NULL
+    const unsigned short *bias16   # the bias as 16-bit patterns (wkind >= 0), or NULL
+    int rank
+    float scale             # used when row_scales is NULL
+    const int *rows         # row indices, ascending; NULL means rows 0..n_rows-1
+    const float *row_scales # one scale per entry of rows, or NULL
+    Py_ssize_t n_rows
+
+
+cdef class LayerKernel:
+    """The compiled view of one validated adapter layer (read-only arrays)."""
+    cdef const float[:, ::1] a    # (rank, d_in)
+    cdef const float[:, ::1] bt   # B^T, (rank, d_out) C-contiguous: the one layout of B
+    cdef const unsigned short[:, ::1] a16   # a and bt as 16-bit patterns (half weights)
+    cdef const unsigned short[:, ::1] bt16
+    cdef const unsigned short[::1] bias16
+    cdef int wkind                 # -1: float32 weights; else the _half.h kind
+    cdef const float[::1] bias
+    cdef readonly int rank
+    cdef readonly int d_in
+    cdef readonly int d_out
+    cdef readonly float scale
+    cdef bint has_bias
+
+    cdef void fill(self, Segment *s) noexcept
+
+
+cdef class GroupPlan:
+    cdef object _owned        # the private copies the segments point into
+    cdef object _segs_obj     # bytearray of Segment
+    cdef Segment *_segs
+    cdef Py_ssize_t _ng
+    cdef readonly Py_ssize_t n_rows
+    cdef readonly int d_in
+    cdef readonly int d_out
+
+    cdef int run(self, cnp.ndarray x, cnp.ndarray y, int kind) except -1
+
+
+cdef int run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_rows,
+                   int kind) except -1
+cdef int run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.ndarray y,
+                      int d_in, int d_out, int kind) except -1

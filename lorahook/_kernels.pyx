@@ -1,0 +1,586 @@
+# cython: language_level=3
+"""The kernels: adapter layers applied to rows of checked buffers, without the GIL.
+
+For ``n`` rows through one adapter layer (``A`` is ``(rank, d_in)``, ``B`` is
+``(d_out, rank)``) the update is ``Y += s * (X A^T) B^T``.
+
+* below the crossover (:func:`get_gemm_crossover` rows) each row gets two
+  matrix-vector products: ``t = A x`` then ``y += s * B t``;
+* at or above it, rows are processed in chunks with two matrix-matrix
+  products, ``T = X A^T`` into a per-thread scratch buffer, then
+  ``Y += s * T B^T``.  Rows that are not contiguous in the batch (the grouped
+  multi-adapter path) are gathered into scratch and scatter-added back.
+
+``B`` is kept in one layout only, ``B^T`` row-major (``(rank, d_out)``), so
+both products with it stream memory; ``LoraLayer.b`` is a read-only view of
+it.  Every product goes through the row-major helpers of ``_blas.pxd``.
+Half-precision rows and 16-bit weights are widened through
+``lorahook._halfconv``.  Kernels run on the calling thread with the GIL
+released; this module starts no thread.  Different paths may differ in the
+last bits of float32 rounding: a row's result can depend on the batch it was
+computed in.
+
+The only way in is :c:func:`run_segments` (and :c:func:`run_layer` over it),
+on buffers the caller has checked with ``lorahook._checks``.
+"""
+cimport cython
+cimport numpy as cnp
+from libc.limits cimport INT_MAX
+from libc.stdint cimport uint16_t
+from libc.stdlib cimport free
+from libc.string cimport memcpy
+
+from lorahook cimport _blas
+from lorahook._checks cimport ROWS_F16, ROWS_F32, as_width, check_buffers
+from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, narrow_n, widen_n
+from scipy.linalg.cython_blas cimport sgemm
+
+import numpy as np
+
+cnp.import_array()
+
+cdef extern from "_kernels.h" nogil:
+    float *lorahook_scratch_slot(size_t n, int slot, int *owned) noexcept
+    size_t LORAHOOK_SCRATCH_CACHE_FLOATS
+    char *lorahook_blas_path
+    void lorahook_find_blas(void *blas_caller) noexcept
+
+# Per-thread scratch areas (see _kernels.h).
+cdef enum:
+    _SCRATCH_F32 = 0     # the float32 kernels
+    _SCRATCH_ROWS = 1    # half-precision rows widened to float32
+    _SCRATCH_WEIGHTS = 2 # 16-bit adapter weights widened to float32
+
+# Rows at or above which a single adapter segment uses the sgemm pair instead
+# of one sgemv pair per row.
+cdef Py_ssize_t _gemm_crossover = 32
+
+# Called once, with the GIL, before the first batched (sgemm) kernel of the
+# process runs; set by lorahook.threads (its BLAS pool check).
+cdef object _first_batched = None
+cdef bint _batched_seen = False
+
+
+def _set_first_batched(fn):
+    """Set the callable run once before the process's first batched kernel."""
+    global _first_batched
+    _first_batched = fn
+
+
+def get_gemm_crossover():
+    """Rows from which a batch through one adapter layer uses ``sgemm``."""
+    return _gemm_crossover
+
+
+def set_gemm_crossover(n):
+    """Set the row count from which the ``sgemm`` path is used (``n >= 1``).
+
+    ``1`` forces the batched path for every batch, a huge value forces the
+    row loop.  Returns the previous value.
+    """
+    global _gemm_crossover
+    n = as_width(n, "n")
+    old = _gemm_crossover
+    _gemm_crossover = n
+    return old
+
+
+def _blas_library_path():
+    """The file of the BLAS library the kernels call, or ``None`` when unknown."""
+    path = <bytes>lorahook_blas_path
+    return path.decode("utf-8", "surrogateescape") if path else None
+
+
+lorahook_find_blas(<void *>sgemm)
+
+
+# ---------------------------------------------------------------------------
+# adapter layers
+# ---------------------------------------------------------------------------
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class LayerKernel:
+    """Typed views of one adapter layer's arrays, made once at construction.
+
+    ``a`` is ``(rank, d_in)``, ``bt`` is ``B^T``, ``(rank, d_out)``, ``bias``
+    is ``(d_out,)`` or ``None``; all C-contiguous.  ``bias`` is float32; ``a``
+    and ``bt`` are float32, or with ``weights="float16"`` / ``"bfloat16"``
+    uint16 arrays of those 16-bit patterns (the bias too), widened to float32
+    in per-thread scratch on every call.  The owning :class:`~lorahook.LoraLayer` validates
+    values; this class re-checks the shapes it relies on so that no kernel can
+    read past an array.
+    """
+
+    def __cinit__(self, a, bt, scale, bias=None, weights="float32"):
+        cdef Py_ssize_t rank, d_in, d_out, bt_rank
+        if weights == "float32":
+            self.wkind = -1
+            self.a = a
+            self.bt = bt
+            rank, d_in = self.a.shape[0], self.a.shape[1]
+            bt_rank, d_out = self.bt.shape[0], self.bt.shape[1]
+        elif weights in ("float16", "bfloat16"):
+            self.wkind = LORAHOOK_HALF_F16 if weights == "float16" else LORAHOOK_HALF_BF16
+            self.a16 = a
+            self.bt16 = bt
+            rank, d_in = self.a16.shape[0], self.a16.shape[1]
+            bt_rank, d_out = self.bt16.shape[0], self.bt16.shape[1]
+        else:
+            raise ValueError(f"weights must be 'float32', 'float16' or 'bfloat16', got {weights!r}")
+        if bt_rank != rank:
+            raise ValueError(f"bt must have shape ({rank}, d_out), got {bt_rank, d_out}")
+        if d_in < 1 or d_out < 1:
+            raise ValueError(f"d_in and d_out must be >= 1, got ({d_in}, {d_out})")
+        if rank > INT_MAX or d_in > INT_MAX or d_out > INT_MAX:
+            raise ValueError(f"layer dimensions must each be at most {INT_MAX}")
+        self.rank = <int>rank
+        self.d_in = <int>d_in
+        self.d_out = <int>d_out
+        self.scale = <float>scale
+        self.has_bias = bias is not None
+        if self.has_bias and rank == 0:
+            raise ValueError("a rank-0 layer cannot carry a bias")
+        cdef Py_ssize_t bias_len = 0
+        if self.has_bias and self.wkind < 0:
+            self.bias = bias
+            bias_len = self.bias.shape[0]
+        elif self.has_bias:
+            self.bias16 = bias
+            bias_len = self.bias16.shape[0]
+        if self.has_bias and bias_len != d_out:
+            raise ValueError(f"bias must have shape ({d_out},), got ({bias_len},)")
+
+    def __reduce__(self):
+        raise TypeError("LayerKernel is rebuilt from its LoraLayer and does not pickle")
+
+    cdef void fill(self, Segment *s) noexcept:
+        s.wkind = self.wkind
+        s.a = NULL
+        s.b = NULL
+        s.a16 = NULL
+        s.b16 = NULL
+        if self.rank > 0 and self.wkind < 0:
+            s.a = &self.a[0, 0]
+            s.b = &self.bt[0, 0]
+        elif self.rank > 0:
+            s.a16 = &self.a16[0, 0]
+            s.b16 = &self.bt16[0, 0]
+        s.bias = &self.bias[0] if self.has_bias and self.wkind < 0 else NULL
+        s.bias16 = &self.bias16[0] if self.has_bias and self.wkind >= 0 else NULL
+        s.rank = self.rank
+        s.scale = self.scale
+        s.rows = NULL
+        s.row_scales = NULL
+        s.n_rows = 0
+
+
+# ---------------------------------------------------------------------------
+# kernels (no Python objects, no GIL)
+# ---------------------------------------------------------------------------
+
+cdef inline bint _rows_consecutive(const int *rows, Py_ssize_t start, Py_ssize_t count) noexcept nogil:
+    # rows are strictly ascending, so first/last tell whether they are a run
+    if rows == NULL:
+        return True
+    return rows[start + count - 1] - rows[start] == count - 1
+
+
+cdef inline Py_ssize_t _row(const Segment *s, Py_ssize_t i) noexcept nogil:
+    """The batch row of the segment's ``i``-th row."""
+    return s.rows[i] if s.rows != NULL else i
+
+
+cdef inline float _scale(const Segment *s, Py_ssize_t i) noexcept nogil:
+    """The scale of the segment's ``i``-th row."""
+    return s.row_scales[i] if s.row_scales != NULL else s.scale
+
+
+cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int d_out,
+                      Py_ssize_t crossover) noexcept nogil:
+    """Apply one segment of float32 weights to float32 rows; -1 without scratch memory."""
+    cdef int rank = s.rank
+    cdef Py_ssize_t n = s.n_rows
+    if rank == 0 or n == 0:
+        return 0
+    cdef float alpha
+    cdef const float *xr
+    cdef float *yr
+    cdef float *t
+    cdef float *scratch
+    cdef float *G
+    cdef float *D
+    cdef int owned = 0
+    cdef Py_ssize_t i, j, k, r, r0, chunk, per_row, cap
+    cdef int c
+    cdef bint consecutive
+    cdef bint gather = s.rows != NULL and not _rows_consecutive(s.rows, 0, n)
+
+    if n < crossover:
+        t = lorahook_scratch_slot(<size_t>rank, _SCRATCH_F32, &owned)
+        if t == NULL:
+            return -1
+        for i in range(n):
+            r = _row(s, i)
+            alpha = _scale(s, i)
+            yr = Y + r * d_out
+            _blas.gemv(False, rank, d_in, 1.0, s.a, d_in, X + r * d_in, 0.0, t)   # t = A x
+            _blas.gemv(True, rank, d_out, alpha, s.b, d_out, t, 1.0, yr)        # y += a B t
+            if s.bias != NULL:
+                _blas.axpy(d_out, alpha, s.bias, yr)
+        if owned:
+            free(t)
+        return 0
+
+    # batched: chunks sized so scratch stays within the per-thread cache
+    per_row = <Py_ssize_t>rank + (<Py_ssize_t>d_in + d_out if gather else 0)
+    cap = <Py_ssize_t>LORAHOOK_SCRATCH_CACHE_FLOATS // per_row
+    chunk = n if n < cap else cap
+    if chunk < 1:
+        chunk = 1
+    scratch = lorahook_scratch_slot(<size_t>(chunk * per_row), _SCRATCH_F32, &owned)
+    if scratch == NULL:
+        return -1
+    t = scratch
+    G = scratch + chunk * rank
+    D = G + chunk * d_in
+    k = 0
+    while k < n:
+        c = <int>(chunk if n - k > chunk else n - k)
+        consecutive = _rows_consecutive(s.rows, k, c)
+        r0 = _row(s, k)
+        if consecutive:
+            xr = X + r0 * d_in
+        else:
+            for j in range(c):
+                memcpy(G + j * d_in, X + <Py_ssize_t>s.rows[k + j] * d_in, d_in * sizeof(float))
+            xr = G
+        _blas.gemm(False, True, c, rank, d_in, 1.0, xr, d_in, s.a, d_in, 0.0, t, rank)  # T = X A^T
+        if s.row_scales != NULL:
+            for j in range(c):
+                _blas.scal(rank, s.row_scales[k + j], t + j * rank)
+            alpha = 1.0
+        else:
+            alpha = s.scale
+        if consecutive:  # Y += alpha T B^T
+            _blas.gemm(False, False, c, d_out, rank, alpha, t, rank, s.b, d_out, 1.0,
+                       Y + r0 * d_out, d_out)
+        else:
+            _blas.gemm(False, False, c, d_out, rank, alpha, t, rank, s.b, d_out, 0.0, D, d_out)
+            for j in range(c):
+                _blas.axpy(d_out, 1.0, D + j * d_out, Y + <Py_ssize_t>s.rows[k + j] * d_out)
+        if s.bias != NULL:
+            for j in range(c):
+                _blas.axpy(d_out, _scale(s, k + j), s.bias, Y + _row(s, k + j) * d_out)
+        k += c
+    if owned:
+        free(scratch)
+    return 0
+
+
+# Half-precision batches: rows per chunk, and the floats of one block of the
+# delta (a block of output columns for every row of a chunk), kept in L1/L2.
+cdef enum:
+    _HALF_CHUNK_ROWS = 32
+    _HALF_BLOCK_FLOATS = 4096
+
+
+cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int d_in, int d_out,
+                           int hk) noexcept nogil:
+    """Half-precision rows at or above the crossover, the output never widened whole.
+
+    Per chunk of ``_HALF_CHUNK_ROWS`` rows: the input rows are widened into
+    scratch and ``T = X A^T`` is one product; then, a block of output columns
+    at a time, the rows' block of the output is widened into ``D``,
+    ``D += s * T B_block^T`` and each row's block is rounded back once.  ``D``
+    stays in L1 (blocks widen with the rank, whose product has more to do);
+    ``s`` holds float32 weights.
+    """
+    cdef int rank = s.rank
+    cdef Py_ssize_t n = s.n_rows, k, j, r, o0
+    cdef int c, ob, block, owned = 0
+    cdef float alpha
+    # more rows per chunk and wider blocks for higher ranks, where each product
+    # has more to do; rank 16: 32 rows, blocks of 128 output columns
+    cdef int grow = 1 + (rank - 1) // 16
+    if grow > 8:
+        grow = 8
+    cdef Py_ssize_t chunk = _HALF_CHUNK_ROWS * grow
+    if chunk > n:
+        chunk = n
+    block = <int>(_HALF_BLOCK_FLOATS * grow // chunk)
+    if block > d_out:
+        block = d_out
+    if block < 16:
+        block = 16 if d_out >= 16 else d_out
+    cdef float *G = lorahook_scratch_slot(
+        <size_t>chunk * (<size_t>d_in + rank + block), _SCRATCH_ROWS, &owned)
+    if G == NULL:
+        return -1
+    cdef float *T = G + chunk * d_in
+    cdef float *D = T + chunk * rank
+    k = 0
+    while k < n:
+        c = <int>(chunk if n - k > chunk else n - k)
+        for j in range(c):
+            widen_n(X + _row(s, k + j) * d_in, G + j * d_in, d_in, hk)
+        _blas.gemm(False, True, c, rank, d_in, 1.0, G, d_in, s.a, d_in, 0.0, T, rank)
+        if s.row_scales != NULL:
+            for j in range(c):
+                _blas.scal(rank, s.row_scales[k + j], T + j * rank)
+            alpha = 1.0
+        else:
+            alpha = s.scale
+        o0 = 0
+        while o0 < d_out:
+            ob = <int>(block if d_out - o0 > block else d_out - o0)
+            for j in range(c):  # the block of each output row, widened
+                widen_n(Y + _row(s, k + j) * d_out + o0, D + j * ob, ob, hk)
+            # D (c, ob) += alpha T B^T[:, o0:o0+ob]
+            _blas.gemm(False, False, c, ob, rank, alpha, T, rank, s.b + o0, d_out, 1.0, D, ob)
+            for j in range(c):  # each output row's block rounded once
+                r = _row(s, k + j)
+                if s.bias != NULL:
+                    _blas.axpy(ob, _scale(s, k + j), s.bias + o0, D + j * ob)
+                narrow_n(D + j * ob, Y + r * d_out + o0, ob, hk)
+            o0 += ob
+        k += c
+    if owned:
+        free(G)
+    return 0
+
+
+cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_in, int d_out,
+                        int hk) noexcept nogil:
+    """Half-precision rows below the crossover: widened, the float32 row loop, rounded once.
+
+    Each chunk's input and output rows are widened into scratch, the float32
+    row kernel adds each delta to the widened output, and each output row is
+    rounded back once, to nearest even.
+    """
+    cdef Segment seg = s[0]
+    cdef Py_ssize_t n = s.n_rows, k, j, cap, chunk
+    cdef int c, owned = 0, rc = 0
+    cap = <Py_ssize_t>(1 << 18) // (<Py_ssize_t>d_in + d_out)
+    chunk = n if n < cap else cap
+    if chunk < 1:
+        chunk = 1
+    cdef float *G = lorahook_scratch_slot(<size_t>chunk * (<size_t>d_in + d_out), _SCRATCH_ROWS,
+                                          &owned)
+    if G == NULL:
+        return -1
+    cdef float *D = G + chunk * d_in
+    k = 0
+    while k < n:
+        c = <int>(chunk if n - k > chunk else n - k)
+        for j in range(c):
+            widen_n(X + _row(s, k + j) * d_in, G + j * d_in, d_in, hk)
+            widen_n(Y + _row(s, k + j) * d_out, D + j * d_out, d_out, hk)
+        seg.rows = NULL
+        seg.n_rows = c
+        seg.row_scales = s.row_scales + k if s.row_scales != NULL else NULL
+        rc = _run_segment(&seg, G, D, d_in, d_out, c + 1)  # c + 1: every chunk takes the row loop
+        if rc != 0:
+            break
+        for j in range(c):
+            narrow_n(D + j * d_out, Y + _row(s, k + j) * d_out, d_out, hk)
+        k += c
+    if owned:
+        free(G)
+    return rc
+
+
+cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, int d_out,
+                          Py_ssize_t crossover, int kind) noexcept nogil:
+    """Apply one segment to rows of any kind, with weights of any kind.
+
+    16-bit weights are widened once per call into their scratch area.  The
+    kernel path (row loop or batched) is chosen by the whole segment's row
+    count, for every row kind.  Returns -1 without memory.
+    """
+    cdef Segment seg = s[0]
+    cdef int owned = 0, rc, hk
+    cdef float *W = NULL
+    if s.rank == 0 or s.n_rows == 0:
+        return 0
+    if s.wkind >= 0:
+        W = lorahook_scratch_slot(<size_t>s.rank * (<size_t>d_in + d_out) + d_out,
+                                  _SCRATCH_WEIGHTS, &owned)
+        if W == NULL:
+            return -1
+        widen_n(<const uint16_t *>s.a16, W, <size_t>s.rank * d_in, s.wkind)
+        widen_n(<const uint16_t *>s.b16, W + <Py_ssize_t>s.rank * d_in,
+                <size_t>s.rank * d_out, s.wkind)
+        seg.a = W
+        seg.b = W + <Py_ssize_t>s.rank * d_in
+        if s.bias16 != NULL:
+            seg.bias = W + <Py_ssize_t>s.rank * (d_in + d_out)
+            widen_n(<const uint16_t *>s.bias16, <float *>seg.bias, d_out, s.wkind)
+    hk = LORAHOOK_HALF_F16 if kind == ROWS_F16 else LORAHOOK_HALF_BF16
+    if kind == ROWS_F32:
+        rc = _run_segment(&seg, <const float *>X, <float *>Y, d_in, d_out, crossover)
+    elif s.n_rows >= crossover:
+        rc = _run_half_batched(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk)
+    else:
+        rc = _run_half_rows(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk)
+    if owned:
+        free(W)
+    return rc
+
+
+cdef int run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_rows,
+                   int kind) except -1:
+    """One layer on buffers already checked to hold ``n_rows`` rows of the layer's widths."""
+    cdef Segment seg
+    layer.fill(&seg)
+    seg.n_rows = n_rows
+    return run_segments(&seg, 1, x, y, layer.d_in, layer.d_out, kind)
+
+
+cdef int run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.ndarray y,
+                      int d_in, int d_out, int kind) except -1:
+    """Run segments one after the other on checked buffers, with the GIL released.
+
+    The one way into the kernels.  Segments run in order on the calling
+    thread, so two updates of one row never race.
+    """
+    global _batched_seen
+    cdef Py_ssize_t g, crossover = _gemm_crossover
+    cdef int rc = 0
+    if not _batched_seen:
+        # the one-time BLAS check (a warning, lorahook.threads) runs before the
+        # buffers' addresses are taken; under -W error it refuses this call,
+        # with nothing written
+        for g in range(ng):
+            if segs[g].rank > 0 and segs[g].n_rows >= crossover:
+                _batched_seen = True
+                if _first_batched is not None:
+                    _first_batched()
+                break
+    cdef const char *X = <const char *>cnp.PyArray_DATA(x)
+    cdef char *Y = <char *>cnp.PyArray_DATA(y)
+    with nogil:
+        for g in range(ng):
+            rc = _run_segment_any(&segs[g], X, Y, d_in, d_out, crossover, kind)
+            if rc != 0:
+                break
+    if rc != 0:
+        raise MemoryError("lorahook could not allocate its scratch buffer")
+    return 0
+
+
+def apply_layer(LayerKernel layer not None, input, output, Py_ssize_t n_rows):
+    """Add one layer's delta to ``n_rows`` rows (widths are the layer's)."""
+    kind = check_buffers(input, output, n_rows, layer.d_in, layer.d_out)
+    run_layer(layer, <cnp.ndarray>input, <cnp.ndarray>output, n_rows, kind)
+
+
+# ---------------------------------------------------------------------------
+# grouped rows: several layers, each on its own rows of one batch
+# ---------------------------------------------------------------------------
+
+cdef object _private_vector(object obj, int typenum, object dtype, Py_ssize_t g, str what,
+                            str kind):
+    """A private C-contiguous copy of a 1-D array of ``typenum``, or ``None`` for ``None``."""
+    if obj is None:
+        return None
+    cdef cnp.ndarray arr = <cnp.ndarray?>obj
+    if (cnp.PyArray_TYPE(arr) != typenum or cnp.PyArray_NDIM(arr) != 1
+            or not cnp.PyArray_ISNOTSWAPPED(arr)):
+        raise TypeError(f"group {g}: {what} must be a 1-D {kind} array in native byte order")
+    return np.array(arr, dtype=dtype, order="C", copy=True, subok=False)
+
+
+@cython.final
+cdef class GroupPlan:
+    """The groups of one grouped projection, checked and copied once.
+
+    ``GroupPlan(groups, n_rows, d_in, d_out)``: ``groups`` is a list of
+    ``(LayerKernel, scale, rows, row_scales)``, ``rows`` an int32 array of
+    strictly ascending row indices in ``[0, n_rows)`` (or ``None`` for every
+    row), ``row_scales`` a float32 array with one scale per entry of ``rows``
+    (or ``None`` to use ``scale`` for all of them).  Every group is unpacked,
+    converted and copied into arrays only the plan holds, then checked;
+    :meth:`apply` then runs the kernels on a batch with no further work per
+    group.  Rows that no group names are never written.  A plan is immutable
+    and may be applied from several threads at once.
+    """
+
+    def __cinit__(self, list groups not None, Py_ssize_t n_rows, Py_ssize_t d_in, Py_ssize_t d_out):
+        cdef Py_ssize_t g, m, i
+        cdef LayerKernel layer
+        cdef cnp.ndarray rows
+        cdef const int *rp
+        if n_rows < 0 or d_in < 1 or d_out < 1 or d_in > INT_MAX or d_out > INT_MAX:
+            raise ValueError(f"n_rows must be >= 0 and widths in [1, {INT_MAX}], "
+                             f"got ({n_rows}, {d_in}, {d_out})")
+        self.n_rows = n_rows
+        self.d_in = <int>d_in
+        self.d_out = <int>d_out
+        # First pass: everything that can run Python code (unpacking,
+        # __float__, copies) happens here, into objects only the plan holds.
+        # The second pass then checks and points at those private copies, so
+        # nothing done by other code -- in a callback or in another thread
+        # once the GIL is released -- can move an index or free an array the
+        # kernel uses.
+        owned = []
+        for g, item in enumerate(tuple(groups)):
+            layer_obj, scale, rows_obj, rs_obj = item
+            if not isinstance(layer_obj, LayerKernel):
+                raise TypeError(f"group {g}: expected a LayerKernel, got {type(layer_obj).__name__}")
+            owned.append((layer_obj, float(scale),
+                          _private_vector(rows_obj, cnp.NPY_INT32, np.int32, g, "rows", "int32"),
+                          _private_vector(rs_obj, cnp.NPY_FLOAT32, np.float32, g, "row_scales",
+                                          "float32")))
+        self._owned = owned
+        self._ng = len(owned)
+        self._segs_obj = bytearray(self._ng * sizeof(Segment))
+        self._segs = <Segment *><char *>self._segs_obj
+        cdef Segment *seg
+        for g in range(self._ng):
+            layer, scale, rows_obj, rs_obj = owned[g]
+            if layer.d_in != d_in or layer.d_out != d_out:
+                raise ValueError(
+                    f"group {g}: layer shape (d_in, d_out) = ({layer.d_in}, {layer.d_out}) "
+                    f"does not match the call's ({d_in}, {d_out})")
+            seg = &self._segs[g]
+            layer.fill(seg)
+            seg.scale = <float>scale
+            if rows_obj is None:
+                seg.n_rows = n_rows
+                m = n_rows
+            else:
+                rows = <cnp.ndarray>rows_obj
+                m = cnp.PyArray_DIM(rows, 0)
+                rp = <const int *>cnp.PyArray_DATA(rows)
+                for i in range(m):
+                    if rp[i] < 0 or rp[i] >= n_rows or (i > 0 and rp[i] <= rp[i - 1]):
+                        raise ValueError(
+                            f"group {g}: rows must be strictly ascending indices in [0, {n_rows})")
+                seg.rows = rp
+                seg.n_rows = m
+            if rs_obj is not None:
+                if cnp.PyArray_DIM(<cnp.ndarray>rs_obj, 0) != m:
+                    raise TypeError(f"group {g}: row_scales must be a 1-D float32 array of {m} values")
+                seg.row_scales = <const float *>cnp.PyArray_DATA(<cnp.ndarray>rs_obj)
+
+    def __reduce__(self):
+        raise TypeError("GroupPlan belongs to one process and does not pickle")
+
+    def apply(self, input, output):
+        """Add every group's delta to the plan's ``n_rows`` rows of ``output`` in place.
+
+        Half-precision rows are rounded once per group: groups that share a
+        row round it once each.
+        """
+        kind = check_buffers(input, output, self.n_rows, self.d_in, self.d_out)
+        self.run(<cnp.ndarray>input, <cnp.ndarray>output, kind)
+
+    cdef int run(self, cnp.ndarray x, cnp.ndarray y, int kind) except -1:
+        if (cnp.PyArray_SIZE(x) != self.n_rows * self.d_in
+                or cnp.PyArray_SIZE(y) != self.n_rows * self.d_out):
+            raise ValueError(f"this plan is for {self.n_rows} rows of ({self.d_in}, {self.d_out}), "
+                             f"got buffers of {cnp.PyArray_SIZE(x)} and {cnp.PyArray_SIZE(y)} values")
+        if self._ng == 0 or self.n_rows == 0:
+            return 0
+        return run_segments(self._segs, self._ng, x, y, self.d_in, self.d_out, kind)
