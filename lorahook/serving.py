@@ -189,15 +189,21 @@ class _Installed:
 
 
 class _Load:
-    """One load of one name: the loader sets the entry or the error, waiters wait."""
+    """One resolver call for one name: its owner sets the entry or the error, waiters wait.
 
-    __slots__ = ("done", "entry", "error", "installed")
+    ``abandoned`` when the owner was interrupted by a ``BaseException`` that is
+    not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``): that stays
+    in the owner's thread, and the waiters load the name again themselves.
+    """
+
+    __slots__ = ("done", "entry", "error", "abandoned", "installed")
 
     def __init__(self):
         self.done = threading.Event()
-        self.entry = None      # the _Installed made from the loaded adapter
-        self.error = None
-        self.installed = False  # counted in stats()["loads"] once
+        self.entry = None       # the _Installed made from the loaded adapter
+        self.error = None       # an Exception: every thread waiting on the load gets it
+        self.abandoned = False
+        self.installed = False  # installed once at most: one resolver call, one load
 
 
 class AdapterSet:
@@ -239,7 +245,7 @@ class AdapterSet:
     """
 
     __slots__ = ("_model", "_lock", "_installed", "_capacity", "_resolver", "_lru",
-                 "_pinned", "_loading", "_stats", "_evicted")
+                 "_pinned", "_loading", "_stats")
 
     def __init__(self, model=None, *, capacity_bytes=None, resolver=None):
         self._model = _check_model(model)
@@ -258,8 +264,7 @@ class AdapterSet:
         # resident names, least recently used first (values unused)
         self._lru = OrderedDict()
         self._pinned = set()
-        self._loading = {}  # name -> _Load in progress (or done, until committed)
-        self._evicted = set()  # names that left by eviction (not by remove) and are not back
+        self._loading = {}  # name -> _Load in progress (or done, until installed)
         self._stats = {"hits": 0, "loads": 0, "evictions": 0, "load_seconds": 0.0}
 
     @property
@@ -302,12 +307,14 @@ class AdapterSet:
         if self._capacity is not None:
             keep = set(protect) | set(n for n, e in changes.items() if e is not None)
             need = _nbytes(new[n] for n in keep if n in new)
-            pinned = _nbytes(new[n] for n in self._pinned if n in new and n not in keep)
-            if need + pinned > self._capacity:
+            pinned = sorted(n for n in self._pinned if n in new and n not in keep)
+            # together: arrays the kept adapters share with pinned ones count once
+            total = _nbytes(new[n] for n in keep.union(pinned) if n in new)
+            if total > self._capacity:
                 raise LoraCapacityError(
-                    f"adapters {sorted(keep)} need {need} bytes; with {pinned} bytes pinned "
-                    f"({sorted(n for n in self._pinned if n in new and n not in keep)}) they "
-                    f"cannot fit in capacity_bytes={self._capacity}; nothing was evicted")
+                    f"adapters {sorted(keep)} need {need} bytes; with the pinned {pinned} "
+                    f"they need {total} bytes and cannot fit in "
+                    f"capacity_bytes={self._capacity}; nothing was evicted")
             # bytes per array and how many resident adapters share it: an
             # eviction frees only the arrays no other adapter keeps
             users = Counter(i for entry in new.values() for i in entry.arrays)
@@ -326,9 +333,7 @@ class AdapterSet:
         self._installed = MappingProxyType(new)
         for name in evicted:
             self._lru.pop(name, None)
-        self._evicted.update(evicted)
         for name, entry in changes.items():
-            self._evicted.discard(name)
             if entry is None:
                 self._lru.pop(name, None)
                 self._pinned.discard(name)
@@ -348,91 +353,116 @@ class AdapterSet:
     def _resident(self, names, what="name"):
         """A snapshot holding every name of ``names`` (loaded if needed), marked as used.
 
-        A name that was resident when this call looked and has been evicted
-        since by another thread is installed again; one removed on purpose
-        since stays out of the set, and only this call's snapshot holds it.
+        Missing names are claimed first -- a load per name not already being
+        loaded by another thread -- then this thread runs its own loads, then
+        waits on the others'.  Each load's result is installed once (one
+        resolver call, one load in :meth:`stats`).  A name that was resident
+        when this call looked, or whose load was installed by another thread,
+        and that has left the set since (evicted, removed) is not put back:
+        only this call's snapshot holds it, as a batch bound earlier keeps
+        its adapters.
         """
-        snap = self._installed
-        missing = [n for n in names if n not in snap]
-        if not missing:
-            if names:
-                with self._lock:
-                    self._touch(names)
-                    self._stats["hits"] += len(names)
-            return snap
-        if self._resolver is None:
-            _refuse_unknown(what, set(missing), snap)
-        jobs = {}
-        try:
-            for name in sorted(missing):
-                jobs[name] = self._load(name)
-            with self._lock:
-                changes, extra, fresh = {}, {}, []
-                for name in names:
-                    if name in self._installed:
-                        continue
-                    if name in jobs:
-                        changes[name] = jobs[name].entry
-                        if not jobs[name].installed:
-                            fresh.append(jobs[name])
-                    elif name in self._evicted:
-                        changes[name] = snap[name]
-                    else:
-                        extra[name] = snap[name]
-                self._commit(changes, protect=names)
-                for job in fresh:
-                    job.installed = True
-                self._stats["loads"] += len(fresh)
-                self._stats["hits"] += len(names) - len(fresh)
-                self._touch(names)
-                if extra:
-                    return MappingProxyType({**self._installed, **extra})
-                return self._installed
-        finally:
-            if jobs:
-                with self._lock:  # loads this call waited on are over once it has committed
-                    for name, job in jobs.items():
-                        if self._loading.get(name) is job:
-                            del self._loading[name]
-
-    def _load(self, name):
-        """Resolve and validate ``name`` once, however many threads ask at the same time.
-
-        Returns the finished :class:`_Load`.  A successful load stays in
-        ``_loading`` until a thread that waited on it has committed, so a use
-        arriving in between shares it instead of loading again; a failed one
-        leaves at once, so that the next use tries again.
-        """
-        with self._lock:
-            job = self._loading.get(name)
-            mine = job is None
-            if mine:
-                job = self._loading[name] = _Load()
-                entry = self._installed.get(name)
-                if entry is not None:  # installed meanwhile (add, another bind): no load
-                    job.entry, job.installed = entry, True
-                    job.done.set()
-                    return job
-        if not mine:
-            job.done.wait()
-        else:
-            start = time.perf_counter()
+        while True:
+            snap = self._installed
+            missing = [n for n in names if n not in snap]
+            if not missing:
+                if names:
+                    with self._lock:
+                        self._touch(names)
+                        self._stats["hits"] += len(names)
+                return snap
+            if self._resolver is None:
+                _refuse_unknown(what, set(missing), snap)
+            jobs, mine = self._claim(missing)
             try:
-                adapter = resolve(self._resolver, name)
-                if self._model is not None:
-                    adapter.validate_against(self._model)
-                job.entry = _Installed(adapter)
-            except BaseException as exc:
-                job.error = exc
+                for name in sorted(mine):
+                    self._run_load(name, jobs[name])
+                for job in jobs.values():
+                    job.done.wait()
             finally:
+                self._release(jobs, mine)
+            if any(job.abandoned for job in jobs.values()):
+                continue  # an owner was interrupted: load those names again
+            for name in sorted(jobs):
+                if jobs[name].error is not None:
+                    raise jobs[name].error
+            found = self._install(names, snap, jobs)
+            if found is not None:
+                return found
+
+    def _claim(self, missing):
+        """``({name: _Load}, names this thread loads)`` for the names not resident now."""
+        jobs, mine = {}, set()
+        with self._lock:
+            for name in missing:
+                if name in self._installed:
+                    continue
+                job = self._loading.get(name)
+                if job is None:
+                    job = self._loading[name] = _Load()
+                    mine.add(name)
+                jobs[name] = job
+        return jobs, mine
+
+    def _run_load(self, name, job):
+        """Resolve and validate ``name`` for ``job`` (this thread owns it); errors go in the job."""
+        start = time.perf_counter()
+        try:
+            adapter = resolve(self._resolver, name)
+            if self._model is not None:
+                adapter.validate_against(self._model)
+            job.entry = _Installed(adapter)
+        except Exception as exc:
+            job.error = exc
+        except BaseException:
+            job.abandoned = True
+            raise
+        finally:
+            with self._lock:
+                if job.error is not None or job.abandoned:
+                    if self._loading.get(name) is job:
+                        del self._loading[name]  # the next use tries again
+                self._stats["load_seconds"] += time.perf_counter() - start
+            job.done.set()
+
+    def _release(self, jobs, mine):
+        """Give up the loads this thread owns and did not finish (it was interrupted)."""
+        for name in mine:
+            job = jobs[name]
+            if not job.done.is_set():
+                job.abandoned = True
                 with self._lock:
-                    if job.error is not None:
+                    if self._loading.get(name) is job:
                         del self._loading[name]
-                    self._stats["load_seconds"] += time.perf_counter() - start
                 job.done.set()
-        if job.error is not None:
-            raise job.error
-        return job
+
+    def _install(self, names, snap, jobs):
+        """Install the finished loads of ``names``; the snapshot, or ``None`` to look again."""
+        with self._lock:
+            changes, extra = {}, {}
+            for name in names:
+                if name in self._installed:
+                    continue
+                job = jobs.get(name)
+                if job is not None and not job.installed:
+                    changes[name] = job.entry
+                elif job is not None:
+                    extra[name] = job.entry
+                elif name in snap:
+                    extra[name] = snap[name]
+                else:
+                    return None  # installed at claim time and gone since: look again
+            self._commit(changes, protect=names)
+            for name in changes:
+                jobs[name].installed = True
+                if self._loading.get(name) is jobs[name]:
+                    del self._loading[name]
+            self._stats["loads"] += len(changes)
+            self._stats["hits"] += len(names) - len(changes)
+            self._touch(names)
+            if extra:
+                return MappingProxyType({**self._installed, **extra})
+            return self._installed
 
     # --- changing the set ------------------------------------------------------
 
@@ -469,7 +499,7 @@ class AdapterSet:
         before the swap keep the old adapter; batches bound after it get the
         new one.  A pinned name stays pinned.
         """
-        _check_name(name)
+        _check_lookup_name(name)
         if name not in self._installed:
             raise KeyError(f"no adapter named {name!r} is installed (use add to install one)")
         entry = self._prepare(name, adapter)
@@ -484,7 +514,7 @@ class AdapterSet:
         A name the resolver knows is loaded again on its next use.  Batches
         already bound keep using the adapter.  Removing unpins.
         """
-        _check_name(name)
+        _check_lookup_name(name)
         with self._lock:
             if name not in self._installed:
                 raise KeyError(f"no adapter named {name!r} is installed")
@@ -507,7 +537,7 @@ class AdapterSet:
 
     def unpin(self, name):
         """Let ``name`` be evicted again (``KeyError`` if it is not resident)."""
-        _check_name(name)
+        _check_lookup_name(name)
         with self._lock:
             if name not in self._installed:
                 raise KeyError(f"no adapter named {name!r} is installed")
@@ -621,9 +651,11 @@ class AdapterSet:
                 raise TypeError(
                     f"{what}[{i}] must be an adapter name (str) or None, "
                     f"got {type(name).__name__} ({name!r})")
+        used = tuple(dict.fromkeys(n for n in names if n is not None))
+        # the scales are checked before anything is loaded: a refused bind changes nothing
+        factors = _row_factors(scales, names, set(used).union(self._installed), what, unit)
         # one snapshot holding every name (loaded on first use when a resolver knows it)
-        installed = self._resident(tuple(dict.fromkeys(n for n in names if n is not None)), what)
-        factors = _row_factors(scales, names, installed, what, unit)
+        installed = self._resident(used, what)
 
         # Group the units by adapter, units with a zero factor left out.
         grouped = {}
@@ -652,8 +684,12 @@ def _refuse_unknown(what, unknown, installed):
             f"(installed: {sorted(installed)})")
 
 
-def _row_factors(scales, row_names, installed, what="row_adapters", unit="row"):
-    """One float per row (or sequence) from the ``scales`` argument of a bind."""
+def _row_factors(scales, row_names, known, what="row_adapters", unit="row"):
+    """One float per row (or sequence) from the ``scales`` argument of a bind.
+
+    ``known``: the names a scales mapping may name (the bind's own and the
+    resident ones).
+    """
     n = len(row_names)
     if scales is None:
         return [1.0] * n
@@ -665,11 +701,11 @@ def _row_factors(scales, row_names, installed, what="row_adapters", unit="row"):
                 raise TypeError(
                     f"scales mapping keys must be adapter names (str), got "
                     f"{type(key).__name__} ({key!r})")
-            if key not in installed:
+            if key not in known:
                 unknown.append(key)
                 continue
             per_name[key] = _finite(value, f"scales[{key!r}]")
-        _refuse_unknown("scales", unknown, installed)
+        _refuse_unknown("scales", unknown, known)
         return [1.0 if name is None else per_name.get(name, 1.0) for name in row_names]
     if isinstance(scales, (numbers.Real, np.generic)) or (
             isinstance(scales, np.ndarray) and scales.ndim == 0):

@@ -353,10 +353,9 @@ def test_a_use_between_a_finished_load_and_its_install_shares_that_load(store):
     class Paused(AdapterSet):
         __slots__ = ()
 
-        def _load(self, name):
-            job = super()._load(name)
+        def _run_load(self, name, job):
+            super()._run_load(name, job)
             time.sleep(0.3)  # the window between a finished load and its install
-            return job
 
     def resolve(name):
         calls.append(name)
@@ -374,9 +373,15 @@ def test_a_use_between_a_finished_load_and_its_install_shares_that_load(store):
 def test_empty_names_are_unknown_and_subclasses_with_their_own_hooks_are_refused(store):
     root, written = store
     s = AdapterSet(resolver=root)
-    for call in (s.get, s.pin):
+    s.add("t0", written["t0"])
+    for call in (s.get, s.pin, s.remove, s.unpin, lambda n: s.replace(n, written["t1"])):
         with pytest.raises(KeyError):
             call("")
+        with pytest.raises(KeyError):
+            call("never-heard-of" if call not in (s.get, s.pin) else "../t0")
+        with pytest.raises(TypeError):
+            call(b"t0")
+    assert "" not in s and 7 not in s and s.names() == ["t0"]
     with pytest.raises(KeyError):
         s.bind([""])
 
@@ -400,3 +405,129 @@ def test_an_eviction_counts_arrays_shared_with_a_resident_adapter_as_not_freed()
     assert s.nbytes <= 2 * ONE and "other" in s
     s.add("third", _adapter(3))
     assert s.nbytes <= 2 * ONE and s.names() == ["other", "third"]
+
+
+# --------------------------------------------------------------------------- hardening
+
+
+def test_a_bind_refused_for_its_scales_loads_evicts_and_counts_nothing(store):
+    root, written = store
+    calls = []
+
+    def resolve(name):
+        calls.append(name)
+        return str(root / name)
+
+    s = AdapterSet(capacity_bytes=2 * ONE, resolver=resolve)
+    s.bind(["t0", "t1"])
+    before = (s.stats(), s.names(), list(calls))
+    bad = [[1.0, float("nan")], [1.0], {"t2": float("inf")}, {"t5": 1.0}, "x", [1.0, "y"]]
+    for scales in bad:
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            s.bind(["t2", "t3"], scales)
+    after = s.stats()
+    for key in ("loads", "evictions", "resident", "hits", "nbytes"):
+        assert after[key] == before[0][key], key
+    assert s.names() == before[1] and calls == before[2]
+
+
+def test_the_set_forgets_names_it_evicted():
+    # room for one: 4,000 distinct names come and go; the set's own memory stays flat
+    def resolve(name):
+        return _adapter(int(name[1:]) % 7)
+
+    s = AdapterSet(capacity_bytes=ONE, resolver=resolve)
+    for i in range(200):  # warm up every code path and cache
+        s.get(f"n{i}")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200, 4200):
+            s.get(f"n{i}")
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert s.stats()["evictions"] == 4199 and len(s) == 1
+    assert grown < 64 * 1024, grown  # remembering 4,000 names costs far more than this
+
+
+def test_an_interrupted_load_stays_in_its_thread_and_the_waiters_load_again(store):
+    root, written = store
+    started, go = threading.Event(), threading.Event()
+    calls = []
+
+    def resolve(name):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            started.set()
+            go.wait(10)
+            raise KeyboardInterrupt
+        return str(root / name)
+
+    s = AdapterSet(resolver=resolve)
+    caught, results = [], []
+
+    def first():
+        try:
+            s.get("t1")
+        except KeyboardInterrupt as exc:
+            caught.append(exc)
+
+    owner = threading.Thread(target=first, name="owner")
+    owner.start()
+    assert started.wait(5)
+    waiters = [threading.Thread(target=lambda: results.append(s.bind(["t1"])), name=f"w{i}")
+               for i in range(3)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.2)  # the waiters are waiting on the owner's load
+    go.set()
+    owner.join()
+    for w in waiters:
+        w.join()
+    assert len(caught) == 1 and len(results) == 3
+    assert calls[0] == "owner" and len(calls) == 2 and calls[1] != "owner"
+    assert s.stats()["loads"] == 1 and s.names() == ["t1"]
+    x = np.ones((1, D_IN), np.float32)
+    for hook in results:
+        _check_rows(hook, ["t1"], written, x)
+
+
+def test_stats_add_up_under_concurrency(store):
+    root, written = store
+    calls = []
+    lock = threading.Lock()
+
+    def resolve(name):
+        with lock:
+            calls.append(name)
+        time.sleep(0.001)
+        return str(root / name)
+
+    s = AdapterSet(capacity_bytes=3 * ONE, resolver=resolve)
+
+    def worker(seed):
+        rnd = random.Random(seed)
+        rng = np.random.default_rng(seed)
+        for _ in range(120):
+            names = rnd.sample(NAMES, rnd.randint(1, 3))
+            hook = s.bind(names)
+            _check_rows(hook, names, written, rng.standard_normal((len(names), D_IN))
+                        .astype(np.float32))
+
+    run_in_threads(worker, [(seed,) for seed in range(8)])
+    stats = s.stats()
+    assert stats["loading"] == 0 and stats["evictions"] > 0
+    assert stats["resident"] == stats["loads"] - stats["evictions"]
+    assert len(calls) == stats["loads"]  # one resolver call per load, none thrown away
+
+
+def test_arrays_shared_with_a_pinned_adapter_count_once_in_the_capacity_check():
+    base = _adapter(1)
+    s = AdapterSet(capacity_bytes=ONE + ONE // 2)
+    s.add("base", base, pin=True)
+    s.add("half", base.scaled(0.5))  # the same arrays: fits beside its pinned twin
+    assert s.names() == ["base", "half"] and s.nbytes == ONE
+    with pytest.raises(LoraCapacityError):
+        s.add("other", _adapter(2))  # its own arrays do not fit beside the pinned one
+    assert s.names() == ["base", "half"]
