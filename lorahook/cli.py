@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import struct
 import sys
 import tempfile
 import time
@@ -99,21 +98,6 @@ def load_model(path):
     return load_model_config(path)
 
 
-def _safetensors_header(path):
-    """The JSON header of a safetensors file (``{}`` when it cannot be read)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                return {}
-            (n,) = struct.unpack("<Q", raw)
-            if n > 100_000_000:
-                return {}
-            return json.loads(f.read(n))
-    except (OSError, ValueError):
-        return {}
-
-
 def _ranges(indices):
     """``[0, 1, 2, 5, 7, 8]`` -> ``'0-2, 5, 7-8'``."""
     out, run = [], []
@@ -156,11 +140,10 @@ def cmd_info(args, out):
     if config_path is not None:
         with open(config_path, encoding="utf-8") as f:
             peft_config = json.load(f)
-    header = _safetensors_header(weights_path)
+    from .files import read_safetensors_header
     dtypes = {}
-    for name, entry in header.items():
-        if name != "__metadata__" and isinstance(entry, dict):
-            dtypes[entry.get("dtype", "?")] = dtypes.get(entry.get("dtype", "?"), 0) + 1
+    for entry in read_safetensors_header(weights_path)[0].values():
+        dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + 1
     file_size = os.path.getsize(weights_path) if os.path.exists(weights_path) else 0
 
     keys = adapter.keys()
@@ -375,11 +358,12 @@ def cmd_demo(args, out):
                 same = loaded.keys() == adapter.keys() and all(
                     _same_layer(loaded.layers[k], adapter.layers[k]) for k in adapter.keys())
                 if not same:
-                    raise CommandError(f"demo: the adapter {name!r} read back from {path} "
-                                       f"differs from the one written", EXIT_MISFIT)
+                    raise CommandError(f"demo: the adapter {name!r} read back from its PEFT "
+                                       f"directory differs from the one written", EXIT_MISFIT)
                 adapters[name] = loaded
             w(f"adapters  {len(adapters)} generated (seed {args.seed}), written as PEFT directories "
-              f"with save_peft to {tmp.name}, read back with from_peft (identical A, B and scales)\n")
+              f"with save_peft to a temporary directory (removed afterwards), read back with "
+              f"from_peft (identical A, B and scales)\n")
     else:
         config = load_model(args.model)
         w(f"model     {args.model}: {_describe_model(config)}\n")

@@ -99,8 +99,11 @@ from .models import MeasuredGeometry, place
 
 __all__ = ["attach", "default_mapping", "geometry_of", "token_rows", "AttachedHooks", "Selection"]
 
-# The selections in force in the current context: {attach key: bound hook},
-# replaced as a whole (never mutated) on every block entry and exit.
+# The selections in force in the current context, replaced as a whole (never
+# mutated) on every block entry and reset with its token on exit: a pair
+# ({attach key: bound hook}, entries), where entries are the open blocks,
+# innermost last, each [selection, token of its entry].  One variable for the
+# module: entering blocks adds nothing else to a context.
 _SELECTIONS = contextvars.ContextVar("lorahook_torch_selections", default=None)
 
 
@@ -232,8 +235,6 @@ class Selection:
         self._scales = scales
         self._hook = None
         self._lock = threading.Lock()
-        # this object's entries in the current context, innermost last
-        self._tokens = contextvars.ContextVar("lorahook_selection_tokens", default=())
 
     @property
     def seq_adapters(self):
@@ -252,22 +253,21 @@ class Selection:
     def __enter__(self):
         hook = self.hook
         current = _SELECTIONS.get()
-        chosen = dict(current) if current else {}
-        chosen[self._attached._key] = hook
-        token = _SELECTIONS.set(chosen)
-        self._tokens.set(self._tokens.get() + ((token, chosen),))
+        chosen, entries = current if current is not None else ({}, ())
+        chosen = {**chosen, self._attached._key: hook}
+        entry = [self, None]
+        entry[1] = _SELECTIONS.set((chosen, entries + (entry,)))
         return self
 
     def __exit__(self, *exc):
-        stack = self._tokens.get()
-        if not stack:
+        current = _SELECTIONS.get()
+        entries = current[1] if current is not None else ()
+        if not any(e[0] is self for e in entries):
             raise RuntimeError("this selection was not entered in the current context")
-        token, chosen = stack[-1]
-        if _SELECTIONS.get() is not chosen:
+        if entries[-1][0] is not self:
             raise RuntimeError("selections must be exited in the reverse order of entry: an inner "
                                "selection entered after this one is still in force")
-        self._tokens.set(stack[:-1])
-        _SELECTIONS.reset(token)
+        _SELECTIONS.reset(entries[-1][1])
 
     def run(self, fn, /, *args, **kwargs):
         """``fn(*args, **kwargs)`` inside this selection (e.g. a thread's target)."""
@@ -431,10 +431,10 @@ def _make_selection_hook(attach_key, path, key, d_in, d_out):
     layer_idx, module = key
 
     def forward_hook(mod, inputs, output):
-        chosen = _SELECTIONS.get()
-        if chosen is None:
+        current = _SELECTIONS.get()
+        if current is None:
             return None
-        hook = chosen.get(attach_key)
+        hook = current[0].get(attach_key)
         if hook is None:
             return None
         x = inputs[0]

@@ -223,7 +223,29 @@ def test_validate_invalid_model_config(fitting, tmp_path):
     assert "hidden_size" in assert_one_line_error(err)
 
 
+@pytest.mark.parametrize("content", [
+    pytest.param(b'{"model_type": "qwen3_5", "name": "caf\xe9"}', id="latin-1"),
+    pytest.param(b"\xff\xfe{}", id="utf-16-bom"),
+    pytest.param(b'{"model_type": "llama", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                 id="nested-100000-deep"),
+])
+def test_validate_model_configs_that_are_not_json_text_exit_2_on_one_line(fitting, tmp_path,
+                                                                          content):
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    code, out, err = run("validate", fitting, "--model", path)
+    assert code == 2, out + err
+    line = assert_one_line_error(err)
+    assert str(path) in line and ("UTF-8" in line or "nested" in line)
+
+
 # --------------------------------------------------------------------------- demo
+
+
+def test_demo_prints_no_path_it_deletes():
+    code, out, err = run("demo", "--time", "0.1")
+    assert code == 0, out + err
+    assert "lorahook-demo-" not in out and "temporary directory (removed afterwards)" in out
 
 
 def test_demo():

@@ -316,44 +316,13 @@ def test_bad_tensors(tmp_path, case):
         assert_refused(p)
 
 
-def _header_of(blob):
-    """``(raw header, data length)`` of a blob whose length field both checks get to see, else None."""
-    from lorahook.files.safetensors import MAX_HEADER_BYTES
-    if len(blob) < 8:
-        return None
-    (n,) = struct.unpack("<Q", blob[:8])
-    if n > MAX_HEADER_BYTES or 8 + n > len(blob):
-        return None
-    return blob[8:8 + n], len(blob) - 8 - n
-
-
-def _both_header_checks(raw, data_len):
-    """What the field-at-a-time check and the entry-by-entry check say of one raw header."""
+def _checked(raw, data_len):
+    """What the header check says of one raw header: its layout, or ``None`` when refused."""
     from lorahook.files import safetensors as st_reader
-    fast = st_reader._layout(raw, data_len)
     try:
-        checked = st_reader._checked_header(raw, data_len, "h.safetensors")
+        return st_reader._checked_header(raw, data_len, "h.safetensors")
     except LoraFormatError:
-        checked = None
-    return fast, checked
-
-
-def _agree(fast, checked):
-    """The field-at-a-time check accepts what the full one accepts, with the same layout;
-    only shapes of many dimensions are left to the full check."""
-    from lorahook.files.safetensors import _FAST_DIMS
-    if fast is None and checked is not None:
-        assert max(len(info["shape"]) for info in checked[0].values()) > _FAST_DIMS
-    else:
-        assert fast == checked
-
-
-_BLOBS = {**HEADER_CASES, **{case: st_bytes(*TENSOR_CASES[case]) for case in TENSOR_CASES}}
-
-
-@pytest.mark.parametrize("case", sorted(case for case, blob in _BLOBS.items() if _header_of(blob)))
-def test_fast_header_check_accepts_exactly_what_the_full_check_accepts(case):
-    _agree(*_both_header_checks(*_header_of(_BLOBS[case])))
+        return None
 
 
 # Raw JSON values with objects that may give a key twice (keys drawn from two letters).
@@ -385,7 +354,8 @@ def _no_repeated_keys(raw):
                           st.one_of(st.none(), _RAW_JSON)),
                 max_size=4),
        st.randoms(use_true_random=False), st.one_of(st.none(), _RAW_JSON), st.integers(-1, 1))
-def test_fast_header_check_agrees_on_generated_layouts(tensors, rng, meta_extra, slack):
+def test_the_header_check_accepts_exactly_the_well_formed_generated_layouts(tensors, rng, meta_extra,
+                                                                           slack):
     # contiguous tensors listed in any order, with extra fields holding nested JSON
     sizes = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U64": 8}
     fields, position = [], 0
@@ -399,9 +369,8 @@ def test_fast_header_check_agrees_on_generated_layouts(tensors, rng, meta_extra,
         fields.append(f'"__metadata__": {{"format": "pt", "more": {meta_extra}}}')
     raw = "{" + ", ".join(fields) + "}"
     data_len = max(position + slack, 0)
-    fast, checked = _both_header_checks(raw.encode(), data_len)
-    _agree(fast, checked)
-    # every layout the generator means to be valid is accepted by both
+    checked = _checked(raw.encode(), data_len)
+    # every layout the generator means to be valid is accepted, and nothing else
     well_formed = (data_len == position and _no_repeated_keys(raw)
                    and (meta_extra is None or meta_extra.startswith('"')))
     assert (checked is not None) == well_formed
@@ -786,13 +755,6 @@ def test_hypothesis_hostile_headers(case):
     with tempfile.TemporaryDirectory() as tmp:
         for p in in_dir_and_bare(Path(tmp), blob):
             assert_refused(p, allow_load=True)
-
-
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
-@given(case=hostile_headers())
-def test_fast_header_check_agrees_on_hostile_headers(case):
-    header, data_len = case
-    _agree(*_both_header_checks(json.dumps(header, allow_nan=True).encode(), data_len))
 
 
 @st.composite

@@ -4,6 +4,7 @@ Adapter directories are written by hand with ``safetensors.numpy`` and ``json`` 
 """
 
 import json
+import os
 import math
 import re
 import struct
@@ -590,8 +591,24 @@ def test_file_truncated_after_its_header_was_read(tmp_path, standard):
     f = write_dir(tmp_path / "ad", standard[0], base_config()) / "adapter_model.safetensors"
     header = read_safetensors_header(f)
     f.write_bytes(f.read_bytes()[:-16])
-    with pytest.raises(LoraFormatError, match="changed size"):
+    with pytest.raises(LoraFormatError, match="run past the end of the data|changed"):
         read_safetensors(f, header=header)
+
+
+def test_a_file_replaced_after_its_header_was_read_is_refused_or_never_mixed(tmp_path, standard):
+    from lorahook.files import SafetensorsFile
+    first = write_dir(tmp_path / "one", standard[0], base_config()) / "adapter_model.safetensors"
+    fewer = dict(list(standard[0].items())[:-2])  # one projection less: another layout
+    other = write_dir(tmp_path / "two", fewer, base_config()) / "adapter_model.safetensors"
+    expect, _ = read_safetensors(first)
+    header = read_safetensors_header(first)
+    with SafetensorsFile(first) as opened:
+        os.replace(other, first)  # another layout under the same name
+        got, _ = opened.read_float32()  # header and data through the descriptor opened first
+    assert got.keys() == expect.keys()
+    assert all(np.array_equal(got[k], expect[k]) for k in expect)
+    with pytest.raises(LoraFormatError, match="changed since its header was read"):
+        read_safetensors(first, header=header)
 
 
 # ----------------------------------------------------------------------------- bare safetensors

@@ -8,11 +8,12 @@ turns a PEFT directory or a bare safetensors file into plain data (:class:`Adapt
 """
 from .peft_config import CONFIG_NAME, PeftLoraConfig
 from .reader import PICKLE_NAMES, WEIGHTS_NAME, AdapterData, LayerData, read_peft, read_safetensors_adapter
-from .safetensors import MAX_HEADER_BYTES, read_float32, read_safetensors, read_safetensors_header
+from .safetensors import (MAX_HEADER_BYTES, SafetensorsFile, read_float32, read_safetensors,
+                          read_safetensors_header)
 from .writer import write_peft
 
 __all__ = [
     "read_peft", "read_safetensors_adapter", "write_peft", "AdapterData", "LayerData",
-    "read_safetensors", "read_safetensors_header", "read_float32", "PeftLoraConfig",
+    "read_safetensors", "read_safetensors_header", "read_float32", "SafetensorsFile", "PeftLoraConfig",
     "CONFIG_NAME", "WEIGHTS_NAME", "PICKLE_NAMES", "MAX_HEADER_BYTES",
 ]

@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import LoraFormatError
 from ..models import PEFT_PREFIX, module_key
 from .peft_config import CONFIG_NAME, PeftLoraConfig, check_scale, finite_number
-from .safetensors import kept_derived, read_float32, read_safetensors_header, short
+from .safetensors import SafetensorsFile, kept_derived, short
 
 __all__ = ["read_peft", "read_safetensors_adapter", "AdapterData", "LayerData",
            "WEIGHTS_NAME", "PICKLE_NAMES"]
@@ -179,24 +179,24 @@ def _check_factor_shapes(file_tensors: Mapping[str, dict], entry: dict, where: s
 
 
 def _collect(
-    weights_path: Path,
-    header: tuple,
+    weights: SafetensorsFile,
     entries: Mapping[Tuple[int, str], dict],
     scales: Mapping[Tuple[int, str], float],
     name: Optional[str],
     metadata: Dict[str, str],
 ) -> AdapterData:
-    """Read the tensors of ``entries`` (with the already parsed ``header``) into plain data.
+    """Read the tensors of ``entries`` from the open ``weights`` into plain data.
 
-    One read (:func:`read_float32`): every value is copied once from the file into the array a
-    layer keeps, ``lora_B`` transposed on the way (the ``B^T`` layout the kernels use), and
-    refused if it is not finite.
+    One read (:meth:`SafetensorsFile.read_float32`, through the descriptor the header came
+    from): every value is copied once from the file into the array a layer keeps, ``lora_B``
+    transposed on the way (the ``B^T`` layout the kernels use), and refused if it is not finite.
     """
+    weights_path = weights.path
     if not entries:
         raise LoraFormatError(f"{weights_path}: holds no LoRA weights")
     wanted = [n for e in entries.values() for n in (e["A"], e["B"], e.get("bias")) if n is not None]
-    arrays, _ = read_float32(weights_path, wanted, transposed=[e["B"] for e in entries.values()],
-                             header=header, finite=True)
+    arrays, _ = weights.read_float32(wanted, transposed=[e["B"] for e in entries.values()],
+                                     finite=True)
     layers = {}
     for key in sorted(entries):
         e = entries[key]
@@ -282,24 +282,25 @@ def read_peft(path: os.PathLike) -> AdapterData:
         raise LoraFormatError(f"{config_path}: not valid JSON: {exc!r}"[:500]) from None
     config = PeftLoraConfig(raw, str(config_path))
 
-    header = read_safetensors_header(weights_path)
-    file_tensors, file_meta = header[:2]
-    where = str(weights_path)
-    entries = _entries(file_tensors, where, config.velora)
-    def checked_scales():
-        return MappingProxyType(_checked_scales(file_tensors, entries, config, where))
+    with SafetensorsFile(weights_path) as weights:  # header and data: one descriptor
+        header = weights.header
+        file_tensors, file_meta = header[:2]
+        where = str(weights_path)
+        entries = _entries(file_tensors, where, config.velora)
+        def checked_scales():
+            return MappingProxyType(_checked_scales(file_tensors, entries, config, where))
 
-    # one layout under one config has one set of scales: kept with the layout (small configs)
-    scales = (kept_derived(file_tensors, ("scales", raw_config), checked_scales)
-              if len(raw_config) <= _KEPT_CONFIG_BYTES else checked_scales())
+        # one layout under one config has one set of scales: kept with the layout (small configs)
+        scales = (kept_derived(file_tensors, ("scales", raw_config), checked_scales)
+                  if len(raw_config) <= _KEPT_CONFIG_BYTES else checked_scales())
 
-    metadata = _file_metadata(file_meta)
-    if config.base_model and "base_model" not in metadata and isinstance(config.base_model, str):
-        metadata["base_model"] = config.base_model
-    if config.revision and "revision" not in metadata and isinstance(config.revision, str):
-        metadata["revision"] = config.revision
-    name = metadata.get("name") or directory.resolve().name or None
-    return _collect(weights_path, header, entries, scales, name, metadata)
+        metadata = _file_metadata(file_meta)
+        if config.base_model and "base_model" not in metadata and isinstance(config.base_model, str):
+            metadata["base_model"] = config.base_model
+        if config.revision and "revision" not in metadata and isinstance(config.revision, str):
+            metadata["revision"] = config.revision
+        name = metadata.get("name") or directory.resolve().name or None
+        return _collect(weights, entries, scales, name, metadata)
 
 
 def read_safetensors_adapter(path: os.PathLike, alpha: Optional[float] = None) -> AdapterData:
@@ -316,32 +317,33 @@ def read_safetensors_adapter(path: os.PathLike, alpha: Optional[float] = None) -
     if weights_path.is_dir():
         raise LoraFormatError(f"{weights_path}: is a directory; for a PEFT adapter directory use LoraAdapter.from_peft")
     where = str(weights_path)
-    header = read_safetensors_header(weights_path)
-    file_tensors, file_meta = header[:2]
-    if alpha is not None:
-        alpha = finite_number(alpha, "alpha", where)
-    else:
-        for k in ("lora_alpha", "alpha"):
-            if k in file_meta:
-                try:
-                    alpha = float(file_meta[k])
-                except ValueError:
-                    raise LoraFormatError(f"{where}: header metadata {k}={file_meta[k]!r} is not a number") from None
-                if not math.isfinite(alpha):
-                    raise LoraFormatError(f"{where}: header metadata {k}={file_meta[k]!r} is not finite")
-                break
-    entries = _entries(file_tensors, where, False)
-    scales = {}
-    for key, entry in entries.items():
-        rank = _check_factor_shapes(file_tensors, entry, where)
-        if rank == 0:
-            scales[key] = 1.0
+    with SafetensorsFile(weights_path) as weights:  # header and data: one descriptor
+        header = weights.header
+        file_tensors, file_meta = header[:2]
+        if alpha is not None:
+            alpha = finite_number(alpha, "alpha", where)
         else:
-            try:
-                scale = (rank if alpha is None else alpha) / rank
-            except OverflowError:
-                scale = math.inf
-            scales[key] = check_scale(scale, f"module {entry['path']!r}: alpha={short(alpha)} with rank {rank}", where)
-    metadata = _file_metadata(file_meta)
-    name = metadata.get("name") or weights_path.stem
-    return _collect(weights_path, header, entries, scales, name, metadata)
+            for k in ("lora_alpha", "alpha"):
+                if k in file_meta:
+                    try:
+                        alpha = float(file_meta[k])
+                    except ValueError:
+                        raise LoraFormatError(f"{where}: header metadata {k}={file_meta[k]!r} is not a number") from None
+                    if not math.isfinite(alpha):
+                        raise LoraFormatError(f"{where}: header metadata {k}={file_meta[k]!r} is not finite")
+                    break
+        entries = _entries(file_tensors, where, False)
+        scales = {}
+        for key, entry in entries.items():
+            rank = _check_factor_shapes(file_tensors, entry, where)
+            if rank == 0:
+                scales[key] = 1.0
+            else:
+                try:
+                    scale = (rank if alpha is None else alpha) / rank
+                except OverflowError:
+                    scale = math.inf
+                scales[key] = check_scale(scale, f"module {entry['path']!r}: alpha={short(alpha)} with rank {rank}", where)
+        metadata = _file_metadata(file_meta)
+        name = metadata.get("name") or weights_path.stem
+        return _collect(weights, entries, scales, name, metadata)

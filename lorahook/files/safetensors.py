@@ -8,8 +8,8 @@ each value copied once from the file into it (transposed on request) by the comp
 without the GIL, read with ``preadv`` rather than through a memory map, so that a file
 truncated during a read is an error and not a crash.
 
-A well-formed header is checked a field at a time over all entries (:func:`_well_formed`);
-only a header that fails is checked again entry by entry, for a message naming what is wrong.
+The header and the tensors of one read come through one file descriptor
+(:class:`SafetensorsFile`), so a file replaced between the two cannot mix two files.
 
 The ``safetensors`` package checks headers as strictly (it refuses every hostile header of
 the test suite except zero-sized tensors with dimensions beyond 2**31 - 1), but its readers
@@ -37,8 +37,8 @@ from .. import _load
 
 from ..errors import LoraFormatError
 
-__all__ = ["read_safetensors_header", "read_safetensors", "read_float32", "MAX_HEADER_BYTES",
-           "SUPPORTED_DTYPES"]
+__all__ = ["SafetensorsFile", "read_safetensors_header", "read_safetensors", "read_float32",
+           "MAX_HEADER_BYTES", "SUPPORTED_DTYPES"]
 
 #: Largest safetensors JSON header accepted, in bytes.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -54,8 +54,8 @@ _DTYPE_SIZES = {
 SUPPORTED_DTYPES = ("F32", "F16", "BF16")
 # Largest dimension accepted in a tensor shape.
 _MAX_DIM = 2**31 - 1
-# Shapes of more dimensions than this are checked entry by entry (products bounded as they grow).
-_FAST_DIMS = 8
+# Up to this many dimensions, a refusal states the exact byte count a shape needs.
+_EXACT_DIMS = 8
 
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -72,20 +72,16 @@ def short(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _unique_pairs(pairs):
-    """A JSON object as a tuple of ``(key, value)`` pairs; a key given twice is a ValueError."""
-    if len(dict(pairs)) != len(pairs):
+def _reject_duplicate_keys(pairs):
+    """A JSON object as a dict; a key given twice (at any depth) is a ValueError naming it."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
         seen = set()
         for k, _ in pairs:
             if k in seen:
                 raise ValueError(f"duplicate key {k!r}")
             seen.add(k)
-    return tuple(pairs)
-
-
-def _reject_duplicate_keys(pairs):
-    """A JSON object as a dict; a key given twice is a ValueError naming it."""
-    return dict(_unique_pairs(pairs))
+    return out
 
 
 def _span(shape, size: int, limit: int) -> Optional[int]:
@@ -138,7 +134,7 @@ def _checked_entry(name: str, info: Any, where: str, data_len: int) -> dict:
     if end - begin != expected:
         # the exact count where it is cheap to say, else only that it is too large
         needs = (f"{expected} bytes" if expected is not None
-                 else f"{short(math.prod(shape) * size)} bytes" if len(shape) <= _FAST_DIMS
+                 else f"{short(math.prod(shape) * size)} bytes" if len(shape) <= _EXACT_DIMS
                  else f"more than the {data_len} bytes of data")
         raise LoraFormatError(
             f"{where}: tensor {name!r}: {dtype} {short(tuple(shape))} needs {needs} but data_offsets "
@@ -149,56 +145,6 @@ def _checked_entry(name: str, info: Any, where: str, data_len: int) -> dict:
             f"{where}: tensor {name!r}: shape {short(shape)} has a dimension larger than {_MAX_DIM}"
         )
     return {"dtype": dtype, "shape": tuple(shape), "data_offsets": (begin, end)}
-
-
-def _well_formed(pairs, data_len: int):
-    """``(tensors, metadata)`` of a header that passes every check, else ``None``.
-
-    ``pairs`` is the header parsed with JSON objects as tuples of ``(key, value)``
-    (:func:`_unique_pairs`: no object has a key twice). The checks of :func:`_checked_header`,
-    done a field at a time over all entries; :func:`read_safetensors_header` runs those,
-    entry by entry and with their messages, only for a header this refuses.
-    """
-    if type(pairs) is not tuple:
-        return None
-    top = dict(pairs)
-    meta = top.pop("__metadata__", None)
-    metadata = {} if meta is None else dict(meta) if type(meta) is tuple else None
-    if metadata is None or set(map(type, metadata.values())) - {str}:
-        return None
-    entries = list(top.values())
-    if set(map(type, entries)) - {tuple}:
-        return None
-    infos = list(map(dict, entries))
-    try:
-        dtypes = [info["dtype"] for info in infos]
-        sizes = [_DTYPE_SIZES[d] for d in dtypes]
-        shapes = [info["shape"] for info in infos]
-        offsets = [info["data_offsets"] for info in infos]
-    except (KeyError, TypeError):
-        return None
-    if set(map(type, dtypes)) - {str} or set(map(type, shapes)) - {list} or set(map(type, offsets)) - {list} \
-            or set(map(len, offsets)) - {2} or (shapes and max(map(len, shapes)) > _FAST_DIMS):
-        return None
-    dims = [d for shape in shapes for d in shape]
-    flat = [o for pair in offsets for o in pair]
-    if set(map(type, dims)) - {int} or set(map(type, flat)) - {int}:
-        return None
-    if dims and (min(dims) < 0 or max(dims) > _MAX_DIM):
-        return None
-    begins, ends = flat[0::2], flat[1::2]
-    if any(e - b != math.prod(shape) * size for b, e, shape, size in zip(begins, ends, shapes, sizes)):
-        return None
-    position = 0
-    for begin, end in sorted(zip(begins, ends)):
-        if begin != position or end < begin:
-            return None
-        position = end
-    if position != data_len:
-        return None
-    tensors = {name: {"dtype": dtype, "shape": tuple(shape), "data_offsets": (begin, end)}
-               for name, dtype, shape, begin, end in zip(top, dtypes, shapes, begins, ends)}
-    return tensors, metadata
 
 
 def read_safetensors_header(
@@ -212,41 +158,46 @@ def read_safetensors_header(
     ``metadata`` is a new dict of the header's ``__metadata__`` strings.
     Everything is checked against the file size first: the header length, each tensor's byte span
     (``dtype size * prod(shape)``), overlaps and gaps. Raises :class:`LoraFormatError`.
+    To read tensors too, use :class:`SafetensorsFile`: both through one descriptor.
     """
-    path = Path(path)
-    file_size = path.stat().st_size
-    where = str(path)
+    with SafetensorsFile(path) as f:
+        return f.header
+
+
+def _read_header(f, where: str):
+    """The checked header tuple of the open file ``f`` (see :func:`read_safetensors_header`)."""
+    file_size = os.fstat(f.fileno()).st_size
     if file_size < 8:
         raise LoraFormatError(f"{where}: not a safetensors file: {file_size} bytes, expected at least 8")
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > MAX_HEADER_BYTES:
-            raise LoraFormatError(
-                f"{where}: safetensors header declares {header_len} bytes, more than the limit of "
-                f"{MAX_HEADER_BYTES}"
-            )
-        if 8 + header_len > file_size:
-            raise LoraFormatError(
-                f"{where}: safetensors header declares {header_len} bytes but the file has only "
-                f"{file_size - 8} bytes after the length field"
-            )
-        raw = f.read(header_len)
+    head = os.pread(f.fileno(), 8, 0)
+    if len(head) != 8:
+        raise LoraFormatError(f"{where}: the file changed size while it was being read")
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > MAX_HEADER_BYTES:
+        raise LoraFormatError(
+            f"{where}: safetensors header declares {header_len} bytes, more than the limit of "
+            f"{MAX_HEADER_BYTES}"
+        )
+    if 8 + header_len > file_size:
+        raise LoraFormatError(
+            f"{where}: safetensors header declares {header_len} bytes but the file has only "
+            f"{file_size - 8} bytes after the length field"
+        )
+    raw = os.pread(f.fileno(), header_len, 8)
+    if len(raw) != header_len:
+        raise LoraFormatError(f"{where}: the file changed size while it was being read")
     data_start = 8 + header_len
     data_len = file_size - data_start
-    fast = _known_layout(raw, data_len) if header_len <= _LAYOUT_BYTES else _layout(raw, data_len)
-    tensors, metadata = fast if fast is not None else _checked_header(raw, data_len, where)
+    if header_len <= _LAYOUT_BYTES:
+        tensors, metadata = _known_layout(raw, data_len, where)
+    else:
+        tensors, metadata = _layout(raw, data_len, where)
     return tensors, dict(metadata), data_start, file_size
 
 
-def _layout(raw: bytes, data_len: int):
-    """:func:`_well_formed` of a raw header, as read-only mappings, or ``None``."""
-    try:
-        fast = _well_formed(json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs), data_len)
-    except (ValueError, RecursionError):  # UnicodeDecodeError included
-        return None
-    if fast is None:
-        return None
-    tensors, metadata = fast
+def _layout(raw: bytes, data_len: int, where: str):
+    """:func:`_checked_header` of a raw header, as read-only mappings."""
+    tensors, metadata = _checked_header(raw, data_len, where)
     return (MappingProxyType({name: MappingProxyType(info) for name, info in tensors.items()}),
             MappingProxyType(metadata))
 
@@ -273,7 +224,7 @@ _kept_by_id: Dict[int, _KeptLayout] = {}  # id(kept.tensors) -> kept (kept alive
 _kept_lock = threading.Lock()
 
 
-def _known_layout(raw: bytes, data_len: int):
+def _known_layout(raw: bytes, data_len: int, where: str):
     """:func:`_layout`, kept for the last :data:`_KEPT_LAYOUTS` well-formed headers."""
     key = (raw, data_len)
     with _kept_lock:
@@ -281,9 +232,7 @@ def _known_layout(raw: bytes, data_len: int):
         if kept is not None:
             _kept_by_header.move_to_end(key)
             return kept.tensors, kept.metadata
-    fast = _layout(raw, data_len)
-    if fast is None:
-        return None
+    fast = _layout(raw, data_len, where)
     with _kept_lock:
         kept = _kept_by_header.get(key)
         if kept is None:  # (else another thread kept the same header first)
@@ -323,7 +272,10 @@ def _forget_layouts():
 
 
 def _checked_header(raw: bytes, data_len: int, where: str) -> Tuple[Dict[str, dict], Dict[str, str]]:
-    """:func:`_well_formed` entry by entry, raising :class:`LoraFormatError` for what is wrong."""
+    """``(tensors, metadata)`` of a raw header, checked entry by entry against ``data_len``.
+
+    The one check of a header: raises :class:`LoraFormatError` naming what is wrong.
+    """
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -437,31 +389,75 @@ def read_float32(
     into that buffer; tensors that are transposed or widened from F16 / BF16 pass through a small
     bounce buffer that stays in cache. The reading, converting and checking run in the compiled
     core without the GIL. Nothing is allocated before the header is validated against the file
-    (:func:`read_safetensors_header`; ``header`` is what it already returned for ``path``), so the
-    buffer is at most twice the file's size.
+    (:func:`read_safetensors_header`), so the buffer is at most twice the file's size. The header
+    and the data are read through one descriptor (:class:`SafetensorsFile`); a ``header`` given
+    (what :func:`read_safetensors_header` returned earlier) must still be the file's, else
+    :class:`LoraFormatError`.
 
     With ``finite``, a tensor holding NaN or infinity is refused. Any failure raises
     :class:`LoraFormatError` and returns nothing: the arrays exist only once every tensor is read.
     Returns ``(arrays by name in the order asked, metadata)``; the metadata is the dict of
     ``header`` (a new one when the header is read here).
     """
-    if header is None:
-        header = read_safetensors_header(path)
-    tensors, metadata, data_start, file_size = header
-    wanted = tuple(tensors) if names is None else tuple(dict.fromkeys(names))
-    flip = tuple(transposed)
-    try:
-        plan, order, out, start = kept_derived(tensors, ("plan", data_start, wanted, flip),
-                                               lambda: _plan(tensors, data_start, wanted, flip))
-    except LoraFormatError as exc:
-        raise LoraFormatError(f"{path}: {exc}") from None
-    buffer = _load.aligned_floats(start, _HUGEPAGES)
-    bad = np.zeros(len(order), dtype=np.int64)
-    with open(path, "rb", buffering=0) as f:
-        if os.fstat(f.fileno()).st_size != file_size:
+    with SafetensorsFile(path) as f:
+        if header is not None and (header[0], header[2:]) != (f.header[0], f.header[2:]):
+            raise LoraFormatError(f"{path}: the file changed since its header was read")
+        return f.read_float32(names, transposed=transposed, finite=finite)
+
+
+class SafetensorsFile:
+    """An open safetensors file: its header, checked when it is opened, and its tensors.
+
+    ``SafetensorsFile(path)`` opens ``path`` once and checks its header through that
+    descriptor (:attr:`header`, as :func:`read_safetensors_header` returns it); every
+    :meth:`read_float32` reads through the same descriptor, so a file replaced on disk in
+    between is never mixed in.  A context manager; :meth:`close` closes the descriptor.
+    """
+
+    __slots__ = ("path", "header", "_file")
+
+    def __init__(self, path: os.PathLike):
+        self.path = path
+        self._file = open(path, "rb", buffering=0)
+        try:
+            self.header = _read_header(self._file, str(path))
+        except BaseException:
+            self._file.close()
+            raise
+
+    def close(self):
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def read_float32(self, names=None, *, transposed=(), finite: bool = False):
+        """:func:`read_float32` through this file's descriptor, with its checked header."""
+        path = self.path
+        tensors, metadata, data_start, file_size = self.header
+        wanted = tuple(tensors) if names is None else tuple(dict.fromkeys(names))
+        flip = tuple(transposed)
+        try:
+            plan, order, out, start = kept_derived(tensors, ("plan", data_start, wanted, flip),
+                                                   lambda: _plan(tensors, data_start, wanted, flip))
+        except LoraFormatError as exc:
+            raise LoraFormatError(f"{path}: {exc}") from None
+        buffer = _load.aligned_floats(start, _HUGEPAGES)
+        bad = np.zeros(len(order), dtype=np.int64)
+        fd = self._file.fileno()
+        if os.fstat(fd).st_size != file_size:
             raise LoraFormatError(f"{path}: the file changed size while it was being read")
-        status, detail = _load.read_plan(f.fileno(), plan, buffer, bad,
-                                          _SCRATCH_BYTES, _RUN_BYTES, _MAX_RUN)
+        status, detail = _load.read_plan(fd, plan, buffer, bad, _SCRATCH_BYTES, _RUN_BYTES,
+                                         _MAX_RUN)
+        return _finish_read(path, status, detail, order, wanted, out, bad, buffer, finite,
+                            metadata)
+
+
+def _finish_read(path, status, detail, order, wanted, out, bad, buffer, finite, metadata):
+    """The arrays of a finished :func:`_load.read_plan`, or the error it ended in."""
     if status == 1:
         raise LoraFormatError(
             f"{path}: the file changed size while it was being read (it ended inside tensor "

@@ -154,11 +154,17 @@ def read_json_config(path: Any) -> dict:
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    with open(path, "r", encoding="utf-8") as handle:
-        try:
-            data = json.load(handle)
-        except json.JSONDecodeError as exc:
-            raise LoraValidationError(f"model config {path!r} is not valid JSON: {exc}") from None
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise LoraValidationError(f"model config {path!r} is not UTF-8 text: {exc}") from None
+    except ValueError as exc:
+        raise LoraValidationError(f"model config {path!r} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise LoraValidationError(f"model config {path!r} is not a config: its JSON is nested "
+                                  f"too deeply to read") from None
     if not isinstance(data, dict):
         raise LoraValidationError(
             f"model config {path!r}: expected a JSON object at the top level, "
