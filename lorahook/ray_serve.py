@@ -48,6 +48,7 @@ import numbers
 import os
 import pickle
 import threading
+import warnings
 import weakref
 
 from ._batching import _found, batch
@@ -198,6 +199,14 @@ def _portable_error(exc):
         return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
 
 
+def _resolver_identity(resolver):
+    """What tells two resolvers apart across processes: a directory's path, a callable's name."""
+    if isinstance(resolver, str):
+        return ("directory", os.path.normpath(resolver))
+    target = resolver if hasattr(resolver, "__qualname__") else type(resolver)
+    return ("callable", getattr(target, "__module__", None), getattr(target, "__qualname__", None))
+
+
 class _Load:
     __slots__ = ("done", "ref", "error")
 
@@ -258,6 +267,9 @@ class _ResolverActor:
             return ("error", job.error)
         return ("ref", [job.ref])
 
+    def resolver_identity(self):
+        return _resolver_identity(self._resolver)
+
     def drop(self, name):
         with self._lock:
             if self._held.pop(name, None) is None:
@@ -299,6 +311,7 @@ class SharedResolver:
     def __init__(self, resolver, name="lorahook-adapters"):
         self._resolver = _check_resolver(resolver)
         self._name = serving._check_name(name, "name (the actor's name)")
+        self._checked = False  # whether the running actor's resolver was compared with ours
 
     def __reduce__(self):
         return (SharedResolver, (self._resolver, self._name))
@@ -339,6 +352,20 @@ class SharedResolver:
         with _HANDLES_LOCK:
             return _HANDLES.setdefault(key, handle)
 
+    def _check_actor_resolver(self, handle):
+        """Warn, once per object and process, when the running actor loads with another resolver."""
+        if self._checked:
+            return
+        running = tuple(ray.get(handle.resolver_identity.remote()))
+        self._checked = True
+        mine = _resolver_identity(self._resolver)
+        if running != mine:
+            warnings.warn(
+                f"shared_resolver {self._name!r} uses a running actor that loads with another "
+                f"resolver ({running[0]} {running[1:]!r}, not {mine[0]} {mine[1:]!r}): names "
+                f"resolve as the running actor does. close() it first, or give this resolver "
+                f"another name, to load with it", RuntimeWarning, stacklevel=4)
+
     def _forget(self, handle):
         key = self._key()
         with _HANDLES_LOCK:
@@ -350,6 +377,7 @@ class SharedResolver:
         for attempt in (0, 1):
             handle = self._actor()
             try:
+                self._check_actor_resolver(handle)
                 return ray.get(getattr(handle, method).remote(*args))
             except ray.exceptions.RayActorError:
                 self._forget(handle)
@@ -427,6 +455,9 @@ def shared_resolver(resolver, *, name="lorahook-adapters"):
     died); later calls, from any process, join it and use its resolver.
     ``drop(name)`` releases one adapter from the actor (processes that hold
     it keep theirs), ``close()`` ends the actor, ``stats()`` returns at least
-    ``loads_by_name`` (name -> count), ``resident`` and ``nbytes``.
+    ``loads_by_name`` (name -> count), ``resident`` and ``nbytes``.  A
+    resolver that joins a running actor loading with another resolver (another
+    directory, another callable) warns once, with a ``RuntimeWarning``: names
+    resolve as the running actor does.
     """
     return SharedResolver(resolver, name)

@@ -42,7 +42,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from . import _rows
+from . import _rows, threads
 from .adapter import LoraAdapter
 from .errors import LoraCapacityError, LoraFormatError
 from .hook import LoraHook
@@ -248,6 +248,7 @@ class AdapterSet:
                  "_pinned", "_loading", "_stats")
 
     def __init__(self, model=None, *, capacity_bytes=None, resolver=None):
+        threads._look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         self._model = _check_model(model)
         if capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, numbers.Integral):

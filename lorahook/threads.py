@@ -28,10 +28,12 @@ leaves the BLAS alone.
 A trap that is hard to see
 --------------------------
 When the first batched (``sgemm``) kernel of the process runs and
-:func:`configure` was never called, lorahook looks once (threadpoolctl, a
-read-only look) at the BLAS libraries: when SciPy's and numpy's are separate
-and both run more than one thread, it warns once, with a
-``RuntimeWarning`` that names both and the fix.  Calling :func:`configure`
+:func:`configure` was never called, lorahook checks the BLAS libraries'
+thread counts: when SciPy's and numpy's are separate and both run more than
+one thread, it warns once, with a ``RuntimeWarning`` that names both and the
+fix.  Which libraries those are is looked up once (threadpoolctl, a
+read-only look) when the first adapter or adapter set is made, at start-up,
+not in the first request.  Calling :func:`configure`
 with any value, or filtering the warning, silences it.
 
 For a large single call, threads are better left to the BLAS
@@ -189,14 +191,36 @@ def info():
     }
 
 
+# The BLAS libraries as threadpoolctl found them, looked up once per process
+# (their thread counts are read live): (SciPy's as lorahook calls it, numpy's).
+_found = None
+_found_lock = threading.Lock()
+
+
+def _look_ahead():
+    """Look up the BLAS libraries once, ahead of the first request.
+
+    Called when the first adapter or :class:`~lorahook.AdapterSet` is made
+    (a server's start-up), so that the one-time check before the first
+    batched kernel only reads thread counts: the look (threadpoolctl scanning
+    the process's libraries, about 10 ms) never lands in a served request.
+    """
+    global _found
+    if _found is None:
+        with _found_lock:
+            if _found is None:
+                try:
+                    _found = _libraries()
+                except Exception:  # no threadpoolctl answer: nothing to say later
+                    _found = (None, None)
+    return _found
+
+
 def _two_pools_warning():
     """The one-time check before the first batched kernel (see the module docstring)."""
     if _settings["configured"]:
         return
-    try:
-        ours, numpy_blas = _libraries()
-    except Exception:  # no threadpoolctl answer: nothing to say
-        return
+    ours, numpy_blas = _look_ahead()
     if ours is None or numpy_blas is None or _shared(ours, numpy_blas):
         return
     if ours.num_threads > 1 and numpy_blas.num_threads > 1:

@@ -238,3 +238,31 @@ def test_gil_is_released_during_a_long_call():
     assert len(ticks) >= 20, f"main thread ticked only {len(ticks)} times during the call"
     gaps = np.diff(ticks)
     assert gaps.max() < 0.25, f"the main thread stalled for {gaps.max():.3f} s"
+
+
+def test_a_second_init_is_refused_before_it_changes_anything():
+    rng = np.random.default_rng(5)
+    first = {(0, "q_proj"): LoraLayer(rng.standard_normal((2, 8)), rng.standard_normal((6, 2)))}
+    other = {(1, "v_proj"): LoraLayer(rng.standard_normal((2, 8)), rng.standard_normal((6, 2)))}
+    adapter = LoraAdapter(first, name="first")
+    with pytest.raises(TypeError, match="immutable"):
+        adapter.__init__(other, name="other")
+    assert list(adapter.layers) == [(0, "q_proj")] and adapter.name == "first"
+    assert adapter.has_adapter(0, "q_proj") and not adapter.has_adapter(1, "v_proj")
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    y = np.zeros((3, 6), np.float32)
+    apply_lora_rows(adapter, 0, "q_proj", x, y)
+    layer = first[(0, "q_proj")]
+    ref = x.astype(np.float64) @ layer.a.T.astype(np.float64) @ layer.b.T.astype(np.float64)
+    assert np.max(np.abs(y - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+def test_numpy_str_module_names_are_module_names():
+    rng = np.random.default_rng(6)
+    adapter = LoraAdapter({(0, "q_proj"): LoraLayer(rng.standard_normal((2, 8)),
+                                                     rng.standard_normal((6, 2)))})
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    expect, got = np.zeros((4, 6), np.float32), np.zeros((4, 6), np.float32)
+    apply_lora_rows(adapter, 0, "q_proj", x, expect)
+    apply_lora_rows(adapter, np.int64(0), np.str_("q_proj"), x, got)
+    assert np.array_equal(got, expect) and expect.any()

@@ -163,3 +163,11 @@ def test_public_names():
         assert hasattr(lorahook, name)
     assert issubclass(lorahook.LoraValidationError, ValueError)
     assert issubclass(lorahook.LoraFormatError, ValueError)
+
+
+def test_hooks_carry_no_instance_dict():
+    # every class of the contract declares its slots: no per-hook __dict__
+    for hook in (NoopLoraHook(),):
+        with pytest.raises(AttributeError):
+            hook.__dict__
+    assert LoraHook.__dict__["__slots__"] == ()

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 import tracemalloc
 import urllib.error
 import urllib.request
@@ -672,9 +673,14 @@ def test_shared_resolver_concurrent_first_uses_drop_close_and_errors(cluster, ad
         shared(NAMES[0])
         assert shared.stats()["loads_by_name"] == {NAMES[0]: 2}
 
-        # a second resolver of the same name uses the running actor, and its resolver
+        # a second resolver of the same name uses the running actor, and its resolver: it says so
         other = shared_resolver("/nowhere", name="test-lifecycle")
-        assert other(NAMES[0]).nbytes == got[0].nbytes
+        with pytest.warns(RuntimeWarning, match="running actor that loads with another resolver"):
+            assert other(NAMES[0]).nbytes == got[0].nbytes
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            other(NAMES[0])  # once per object
+            shared_resolver(str(adapter_dir), name="test-lifecycle")(NAMES[0])  # the same resolver
         pid = shared.stats()["pid"]
 
         # an actor that died is started again

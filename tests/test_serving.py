@@ -527,3 +527,17 @@ def test_hot_swap_under_load_never_tears_a_batch():
     assert swaps[0] > 100
     assert set().union(*seen) == {0, 1}  # both versions were actually observed
     assert grown < 16 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over {done} batches"
+
+
+def test_bound_batches_and_bound_sequences_are_siblings():
+    rng = np.random.default_rng(9)
+    aset = AdapterSet()
+    aset.add("a", LoraAdapter({(0, "q"): LoraLayer(rng.standard_normal((2, D_IN)),
+                                                    rng.standard_normal((D_OUT, 2)))}))
+    batch, seqs = aset.bind(["a", None]), aset.bind_sequences(["a", None])
+    assert not isinstance(seqs, BoundBatch) and not hasattr(seqs, "row_adapters")
+    assert not hasattr(batch, "seq_adapters") and not hasattr(batch, "n_sequences")
+    assert batch.row_adapters == seqs.seq_adapters == ("a", None)
+    for hook in (batch, seqs):
+        with pytest.raises(AttributeError):
+            hook.__dict__

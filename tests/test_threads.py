@@ -191,3 +191,26 @@ def test_an_explicit_configure_silences_the_warning(choice):
     code = _WARNING.replace("CONFIGURE", f"lorahook.threads.configure(blas_threads={choice})")
     _, warned = _child(code).stdout.split()
     assert warned == "0"
+
+
+def test_the_blas_look_happens_at_start_up_not_in_the_first_request():
+    # once an adapter set and an adapter exist, the first batched kernel only reads
+    # thread counts: a look at the libraries then would end this child with exit 3
+    _child("""
+        import numpy, lorahook, lorahook.threads as threads
+        aset = lorahook.AdapterSet()
+        rng = numpy.random.default_rng(0)
+        layer = lorahook.LoraLayer(rng.standard_normal((16, 64)), rng.standard_normal((96, 16)))
+        aset.add("a", lorahook.LoraAdapter({(0, "q_proj"): layer}))
+        assert threads._found is not None
+
+        def looked_in_a_request():
+            raise SystemExit(3)
+
+        threads._libraries = looked_in_a_request
+        hook = aset.bind(["a"] * 300)
+        x = rng.standard_normal((300, 64)).astype(numpy.float32)
+        y = numpy.zeros((300, 96), numpy.float32)
+        lorahook.apply_lora_rows(hook, 0, "q_proj", x, y)
+        assert numpy.abs(y).max() > 0
+    """)

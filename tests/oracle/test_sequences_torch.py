@@ -309,3 +309,13 @@ def test_selections_exited_out_of_order_are_refused(setup):
     ids = _inputs(False)["input_ids"]
     with torch.inference_mode():
         assert torch.equal(base(input_ids=ids).logits, pristine(input_ids=ids).logits)
+
+
+def test_two_thousand_blocks_leave_nothing_in_the_context(setup):
+    _, _, _, _, attached = setup
+    before = len(contextvars.copy_context())
+    for i in range(2000):
+        with attached.sequences(SELECTED if i % 2 else ["c"] * 4):
+            with attached.sequences(["a"] * 4):
+                pass
+    assert len(contextvars.copy_context()) == before
