@@ -196,6 +196,22 @@ cdef inline float _scale(const Segment *s, Py_ssize_t i) noexcept nogil:
     return s.row_scales[i] if s.row_scales != NULL else s.scale
 
 
+cdef inline float _down(const Segment *s, Py_ssize_t k, int c, const float *X, int d_in,
+                        float *T) noexcept nogil:
+    """``T = X A^T`` for the ``c`` rows of ``X`` (the segment's rows ``k..k+c``).
+
+    Per-row scales are folded into ``T``; returns the scale the product with
+    ``B`` then takes (1, or the segment's one scale).
+    """
+    cdef int j
+    _blas.gemm(False, True, c, s.rank, d_in, 1.0, X, d_in, s.a, d_in, 0.0, T, s.rank)
+    if s.row_scales == NULL:
+        return s.scale
+    for j in range(c):
+        _blas.scal(s.rank, s.row_scales[k + j], T + j * s.rank)
+    return 1.0
+
+
 cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int d_out,
                       Py_ssize_t crossover) noexcept nogil:
     """Apply one segment of float32 weights to float32 rows; -1 without scratch memory."""
@@ -255,13 +271,7 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
             for j in range(c):
                 memcpy(G + j * d_in, X + <Py_ssize_t>s.rows[k + j] * d_in, d_in * sizeof(float))
             xr = G
-        _blas.gemm(False, True, c, rank, d_in, 1.0, xr, d_in, s.a, d_in, 0.0, t, rank)  # T = X A^T
-        if s.row_scales != NULL:
-            for j in range(c):
-                _blas.scal(rank, s.row_scales[k + j], t + j * rank)
-            alpha = 1.0
-        else:
-            alpha = s.scale
+        alpha = _down(s, k, c, xr, d_in, t)
         if consecutive:  # Y += alpha T B^T
             _blas.gemm(False, False, c, d_out, rank, alpha, t, rank, s.b, d_out, 1.0,
                        Y + r0 * d_out, d_out)
@@ -324,13 +334,7 @@ cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int
         c = <int>(chunk if n - k > chunk else n - k)
         for j in range(c):
             widen_n(X + _row(s, k + j) * d_in, G + j * d_in, d_in, hk)
-        _blas.gemm(False, True, c, rank, d_in, 1.0, G, d_in, s.a, d_in, 0.0, T, rank)
-        if s.row_scales != NULL:
-            for j in range(c):
-                _blas.scal(rank, s.row_scales[k + j], T + j * rank)
-            alpha = 1.0
-        else:
-            alpha = s.scale
+        alpha = _down(s, k, c, G, d_in, T)
         o0 = 0
         while o0 < d_out:
             ob = <int>(block if d_out - o0 > block else d_out - o0)

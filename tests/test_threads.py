@@ -64,7 +64,7 @@ _SIDE_EFFECTS = """
         return sorted(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
 
     def pools():
-        return [(e["filepath"], e["num_threads"]) for e in threadpoolctl.threadpool_info()]
+        return sorted((e["filepath"], e["num_threads"]) for e in threadpoolctl.threadpool_info())
 
     before = (pools(), tasks())
     import lorahook
