@@ -76,13 +76,36 @@ memory, no copy, no ``model.float()``); the core widens each row to float32,
 adds the delta computed in float32 and rounds the sum once to the model's
 dtype (PEFT computes the LoRA branch in the model's dtype and rounds twice).
 
+Quantized bases
+---------------
+The delta is computed from a linear's input and added to its output, so how
+the base stores its weight does not matter, only the dtype of its output.
+Besides a float ``nn.Linear``, these are hooked and measured, recognised by
+their class (its module path and name) without importing their library:
+
+* ``nn.Linear`` whose weight is a torchao tensor subclass (``quantize_`` with
+  int8 weight-only, int8 dynamic activation + int8 weight, or int4
+  weight-only; on the CPU the int4 one is torchao's
+  ``PrototypeInt4WeightOnlyConfig``);
+* bitsandbytes ``Linear8bitLt`` and ``Linear4bit`` (its CPU backend:
+  ``from_pretrained(..., quantization_config=BitsAndBytesConfig(...),
+  device_map="cpu")``);
+* optimum-quanto ``QLinear`` (``quantize(model, weights=qint8 or qint4)``,
+  then ``freeze``);
+* ``torch.ao.nn.quantized.dynamic.Linear`` (``quantize_dynamic``).
+
+``(d_in, d_out)`` are the module's ``in_features`` / ``out_features``; rows
+take the dtype of the module's output (float32, bfloat16 or float16; any
+other is a ``TypeError`` naming the module), and an input of another float
+dtype is converted to it first.  A module an adapter names that is none of
+these is a :class:`lorahook.LoraValidationError` naming its path and class.
+
 Not supported (refused with a clear error rather than silently wrong):
 
-* float64 (or other) weights or activations, and inputs whose dtype differs
-  from the output's;
-* quantised bases (bitsandbytes, GPTQ, AWQ, ``torch.ao`` quantised linears,
-  anything whose weight is not a plain float ``torch.Tensor``) and subclasses
-  of ``nn.Linear`` other than PEFT-free plain linears;
+* float64 (or other) weights of a float ``nn.Linear``, and outputs of any
+  other dtype than float32, bfloat16 and float16;
+* other linear classes (GPTQ, AWQ, HQQ, custom subclasses of ``nn.Linear``):
+  refused by name when an adapter names them;
 * models that already carry PEFT LoRA layers (apply one or the other);
 * tensors on a device other than the CPU;
 * autograd: the delta is written through numpy, which autograd does not see.
@@ -106,6 +129,80 @@ __all__ = ["attach", "default_mapping", "geometry_of", "token_rows", "AttachedHo
 # module: entering blocks adds nothing else to a context.
 _SELECTIONS = contextvars.ContextVar("lorahook_torch_selections", default=None)
 
+# Quantized linear classes, by (module path, class name) anywhere in a module's
+# MRO: recognised without importing their libraries.
+_QUANTIZED_LINEARS = {
+    ("bitsandbytes.nn.modules", "Linear8bitLt"): "bitsandbytes 8-bit",
+    ("bitsandbytes.nn.modules", "Linear4bit"): "bitsandbytes 4-bit",
+    ("optimum.quanto.nn.qlinear", "QLinear"): "optimum-quanto",
+    ("torch.ao.nn.quantized.dynamic.modules.linear", "Linear"): "torch dynamic int8",
+}
+_SUPPORTED_LINEARS = ("torch.nn.Linear (float32, bfloat16 or float16 weights, or a torchao "
+                      "quantized weight), bitsandbytes Linear8bitLt / Linear4bit, optimum-quanto "
+                      "QLinear and torch.ao.nn.quantized.dynamic.Linear")
+
+
+def _class_name(obj):
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _linear_kind(mod, path):
+    """What kind of linear ``mod`` is (``"float"``, ``"torchao"``, ...), or ``None`` if none lorahook hooks.
+
+    ``TypeError`` for a float ``nn.Linear`` lorahook cannot serve (a float64
+    weight, a weight on another device).
+    """
+    import torch
+    from torch import nn
+
+    for cls in type(mod).__mro__:
+        kind = _QUANTIZED_LINEARS.get((cls.__module__, cls.__name__))
+        if kind is not None:
+            return kind
+    if type(mod) is not nn.Linear:
+        return None
+    weight = mod.weight
+    if type(weight) not in (torch.Tensor, nn.Parameter):
+        return "torchao" if type(weight).__module__.startswith("torchao.") else None
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"lorahook.torch: {path}: weight is {weight.dtype}; a float nn.Linear "
+                        f"must have float32, bfloat16 and float16 weights")
+    if weight.device.type != "cpu":
+        raise TypeError(f"lorahook.torch: {path}: weight is on {weight.device}, expected the CPU")
+    return "float"
+
+
+def _linears(model, resolve):
+    """``({path: key}, {key: (path, class name)})``: the hookable and the other mapped modules."""
+    found, unsupported, where = {}, {}, {}
+    for path, mod in model.named_modules():
+        if ".lora_A" in path or ".lora_B" in path or path.endswith(".base_layer"):
+            raise TypeError(f"lorahook.torch: {path}: the model already carries PEFT LoRA layers; "
+                            f"attach lorahook to the base model instead")
+        key = resolve(path)
+        if key is None:
+            continue
+        key = (int(key[0]), str(key[1]))
+        if _linear_kind(mod, path) is None:
+            unsupported.setdefault(key, (path, _class_name(mod)))
+            continue
+        if key in where:
+            raise ValueError(f"lorahook.torch: {path} and {where[key]} both map to {key}")
+        found[path] = where[key] = key
+    return found, {k: v for k, v in unsupported.items() if k not in where}
+
+
+def _refuse_unhooked(who, key, unsupported):
+    """The ``LoraValidationError`` for an adapter layer whose key no hooked linear has."""
+    from .errors import LoraValidationError
+    if key in unsupported:
+        path, cls = unsupported[key]
+        raise LoraValidationError(
+            f"{who} layer {key[0]} module {key[1]!r} names {path}, a {cls}, which lorahook does "
+            f"not hook; supported: {_SUPPORTED_LINEARS}")
+    raise LoraValidationError(f"{who} layer {key[0]} module {key[1]!r} matches no hooked linear "
+                              f"in the model")
+
 
 def default_mapping(path):
     """``(layer_idx, module)`` for a module path of a model lorahook knows, else ``None``.
@@ -118,11 +215,12 @@ def default_mapping(path):
 
 
 def geometry_of(model, *, mapping=None):
-    """A :class:`lorahook.ModelGeometry` read from a torch model's mapped ``nn.Linear`` layers.
+    """A :class:`lorahook.ModelGeometry` read from a torch model's mapped linear layers.
 
     ``mapping`` is as in :func:`attach` (``None``: :func:`default_mapping`). Every mapped
-    ``nn.Linear`` (subclasses included) gives ``(layer_idx, module) -> (in_features,
-    out_features)``; for models lorahook has no config class for, pass a ``mapping``.
+    linear lorahook hooks (float or quantized, see the module docstring) gives
+    ``(layer_idx, module) -> (in_features, out_features)``; for models lorahook has no
+    config class for, pass a ``mapping``.
     ``ValueError`` when two linears map to the same key; ``LoraValidationError`` when
     nothing maps.
     """
@@ -130,20 +228,12 @@ def geometry_of(model, *, mapping=None):
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    resolve = _resolve_mapping(mapping)
-    shapes, where = {}, {}
-    for path, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear):
-            continue
-        key = resolve(path)
-        if key is None:
-            continue
-        key = (int(key[0]), str(key[1]))
-        if key in shapes:
-            raise ValueError(f"lorahook.torch: {path} and {where[key]} both map to {key}")
+    found, _ = _linears(model, _resolve_mapping(mapping))
+    shapes = {}
+    for path, key in found.items():
+        mod = model.get_submodule(path)
         shapes[key] = (int(mod.in_features), int(mod.out_features))
-        where[key] = path
-    return MeasuredGeometry(shapes, name=f"the nn.Linear layers of {type(model).__name__}")
+    return MeasuredGeometry(shapes, name=f"the linear layers of {type(model).__name__}")
 
 
 def token_rows(per_sequence, seq_len):
@@ -158,8 +248,10 @@ class AttachedHooks:
     makes the per-sequence selections.
     """
 
-    def __init__(self, handles, modules, adapter_set=None, shapes=None, key=None):
+    def __init__(self, handles, modules, adapter_set=None, shapes=None, key=None,
+                 unsupported=None):
         self._handles = handles
+        self._unsupported = unsupported or {}
         #: ``{module path: (layer_idx, module)}`` of the hooked ``nn.Linear`` modules.
         self.modules = modules
         self._adapter_set = adapter_set
@@ -187,13 +279,11 @@ class AttachedHooks:
             for key in adapter.keys():
                 layer = adapter.layers[key]
                 if key not in self._shapes:
-                    raise LoraValidationError(
-                        f"adapter {name!r} layer {key[0]} module {key[1]!r} matches no hooked "
-                        f"nn.Linear in the model")
+                    _refuse_unhooked(f"adapter {name!r}", key, self._unsupported)
                 if (layer.d_in, layer.d_out) != self._shapes[key]:
                     raise LoraValidationError(
                         f"adapter {name!r} layer {key[0]} module {key[1]!r} has (d_in, d_out) = "
-                        f"{(layer.d_in, layer.d_out)}, but the model's nn.Linear is "
+                        f"{(layer.d_in, layer.d_out)}, but the model's linear is "
                         f"(in_features, out_features) = {self._shapes[key]}")
         return hook
 
@@ -314,13 +404,14 @@ def attach(model, hook, *, mapping=None):
     module)``.  Returns an :class:`AttachedHooks`; call ``.remove()`` (or use it
     as a context manager) to detach.
 
-    Checked when attaching: every mapped linear is a plain float32
-    ``nn.Linear`` on the CPU (``TypeError`` otherwise); for a ``LoraAdapter``,
-    each of its keys is found in the model and has the linear's ``(in_features,
-    out_features)`` (:class:`lorahook.LoraValidationError` otherwise), and only
+    Checked when attaching: every mapped float ``nn.Linear`` has float32,
+    bfloat16 or float16 weights on the CPU (``TypeError`` otherwise; quantized
+    linears: see the module docstring); for a ``LoraAdapter``, each of its keys
+    is a hooked linear of the model, with the linear's ``(in_features,
+    out_features)`` (:class:`lorahook.LoraValidationError` otherwise, naming
+    the module and its class when lorahook does not hook that class), and only
     the linears it covers are hooked.
     """
-    import torch
     from torch import nn
 
     from .adapter import LoraAdapter
@@ -335,46 +426,18 @@ def attach(model, hook, *, mapping=None):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     resolve = _resolve_mapping(mapping)
 
-    found = {}
-    for path, mod in model.named_modules():
-        if ".lora_A" in path or ".lora_B" in path or path.endswith(".base_layer"):
-            raise TypeError(f"lorahook.torch: {path}: the model already carries PEFT LoRA layers; "
-                            f"attach lorahook to the base model instead")
-        key = resolve(path)
-        if key is None:
-            continue
-        if not isinstance(mod, nn.Linear):
-            continue
-        if type(mod) is not nn.Linear:
-            raise TypeError(f"lorahook.torch: {path} is a {type(mod).__module__}."
-                            f"{type(mod).__name__}, not a plain torch.nn.Linear (quantised and "
-                            f"custom linear layers are not supported)")
-        weight = mod.weight
-        if type(weight) not in (torch.Tensor, nn.Parameter) or weight.dtype not in (
-                torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"lorahook.torch: {path}: weight is {weight.dtype} "
-                            f"({type(weight).__name__}); only float32, bfloat16 and float16 "
-                            f"weights are supported (no quantised bases)")
-        if weight.device.type != "cpu":
-            raise TypeError(f"lorahook.torch: {path}: weight is on {weight.device}, expected the CPU")
-        key = (int(key[0]), str(key[1]))
-        if key in found.values():
-            other = next(p for p, k in found.items() if k == key)
-            raise ValueError(f"lorahook.torch: {path} and {other} both map to {key}")
-        found[path] = key
-
+    found, unsupported = _linears(model, resolve)
     if isinstance(hook, LoraAdapter):
         shapes = {k: (model.get_submodule(p).in_features, model.get_submodule(p).out_features)
                   for p, k in found.items()}
         for key in hook.keys():
             layer = hook.layers[key]
             if key not in shapes:
-                raise LoraValidationError(
-                    f"adapter layer {key[0]} module {key[1]!r} matches no nn.Linear in the model")
+                _refuse_unhooked("adapter", key, unsupported)
             if (layer.d_in, layer.d_out) != shapes[key]:
                 raise LoraValidationError(
                     f"adapter layer {key[0]} module {key[1]!r} has (d_in, d_out) = "
-                    f"{(layer.d_in, layer.d_out)}, but the model's nn.Linear is "
+                    f"{(layer.d_in, layer.d_out)}, but the model's linear is "
                     f"(in_features, out_features) = {shapes[key]}")
         found = {p: k for p, k in found.items() if hook.is_active(*k)}
 
@@ -387,7 +450,7 @@ def attach(model, hook, *, mapping=None):
             shapes[key] = (mod.in_features, mod.out_features)
             handles.append(mod.register_forward_hook(_make_selection_hook(
                 attach_key, path, key, mod.in_features, mod.out_features)))
-        return AttachedHooks(handles, dict(found), adapter_set, shapes, attach_key)
+        return AttachedHooks(handles, dict(found), adapter_set, shapes, attach_key, unsupported)
     for path, key in found.items():
         mod = model.get_submodule(path)
         handles.append(mod.register_forward_hook(_make_hook(hook, path, key,
@@ -406,11 +469,13 @@ def _run(hook, path, layer_idx, module, x, output, d_in, d_out):
     replaced = None
     if not output.is_contiguous():
         output = replaced = output.contiguous()
+    yout = _as_numpy(output, "output", path).reshape(-1)  # its dtype is the rows' dtype
     if x.dtype != output.dtype:
-        raise TypeError(f"lorahook.torch: {path}: the input is {x.dtype} but the output is "
-                        f"{output.dtype}; both must have one dtype")
+        if not x.is_floating_point():
+            raise TypeError(f"lorahook.torch: {path}: the input is {x.dtype}, expected a float "
+                            f"tensor")
+        x = x.to(output.dtype)  # e.g. float32 activations around a bfloat16 compute
     xin = _as_numpy(x, "input", path).reshape(-1)
-    yout = _as_numpy(output, "output", path).reshape(-1)
     if x.dtype == torch.bfloat16:
         _apply_lora_bits(hook, layer_idx, module, xin, yout, d_in, d_out, True)
     else:

@@ -28,7 +28,6 @@ import struct
 import threading
 from collections import OrderedDict
 from types import MappingProxyType
-from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
