@@ -59,9 +59,10 @@
  * LORAHOOK_HALF_PORTABLE environment variable read by lorahook._halfconv).
  *
  * The state (which path is active) is per translation unit: lorahook._halfconv
- * owns it and the other modules convert through the functions it exports
- * (_halfconv.pxd); they include this header only for its constants and CPU
- * checks.
+ * owns it.  The kernels ask it for the active path once per call
+ * (_halfconv.pxd: active_path) and convert inline on that path with
+ * lorahook_half_widen_on / lorahook_half_narrow_on; other modules convert
+ * through the functions _halfconv exports.
  */
 #ifndef LORAHOOK_HALF_H
 #define LORAHOOK_HALF_H
@@ -349,10 +350,12 @@ LORAHOOK_HALF_FN int lorahook_half_set_path(int path) {
     return old;
 }
 
-/* Widen n 16-bit values of `kind` to float32 (rules above). */
-LORAHOOK_HALF_FN void lorahook_half_widen(const uint16_t *src, float *dst, size_t n, int kind) {
+/* Widen n 16-bit values of `kind` to float32 (rules above) on `path`, a path
+   this CPU supports (lorahook_half_path() gives the active one). */
+static inline void lorahook_half_widen_on(int path, const uint16_t *src, float *dst, size_t n,
+                                          int kind) {
 #if LORAHOOK_HALF_X86
-    switch (lorahook_half_path()) {
+    switch (path) {
     case LORAHOOK_HALF_AVX512:
         lorahook_half_widen_avx512(src, dst, n, kind);
         return;
@@ -362,14 +365,17 @@ LORAHOOK_HALF_FN void lorahook_half_widen(const uint16_t *src, float *dst, size_
     default:
         break;
     }
+#else
+    (void)path;
 #endif
     lorahook_half_widen_portable(src, dst, n, kind);
 }
 
-/* Narrow n float32 values to 16-bit values of `kind` (rules above). */
-LORAHOOK_HALF_FN void lorahook_half_narrow(const float *src, uint16_t *dst, size_t n, int kind) {
+/* Narrow n float32 values to 16-bit values of `kind` (rules above) on `path`. */
+static inline void lorahook_half_narrow_on(int path, const float *src, uint16_t *dst, size_t n,
+                                           int kind) {
 #if LORAHOOK_HALF_X86
-    switch (lorahook_half_path()) {
+    switch (path) {
     case LORAHOOK_HALF_AVX512:
         lorahook_half_narrow_avx512(src, dst, n, kind);
         return;
@@ -379,8 +385,19 @@ LORAHOOK_HALF_FN void lorahook_half_narrow(const float *src, uint16_t *dst, size
     default:
         break;
     }
+#else
+    (void)path;
 #endif
     lorahook_half_narrow_portable(src, dst, n, kind);
+}
+
+/* Widen / narrow on the active path. */
+LORAHOOK_HALF_FN void lorahook_half_widen(const uint16_t *src, float *dst, size_t n, int kind) {
+    lorahook_half_widen_on(lorahook_half_path(), src, dst, n, kind);
+}
+
+LORAHOOK_HALF_FN void lorahook_half_narrow(const float *src, uint16_t *dst, size_t n, int kind) {
+    lorahook_half_narrow_on(lorahook_half_path(), src, dst, n, kind);
 }
 
 #endif /* LORAHOOK_HALF_H */

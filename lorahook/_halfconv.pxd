@@ -10,6 +10,7 @@ cdef extern from "_half.h" nogil:
     int LORAHOOK_HALF_PORTABLE
     int lorahook_half_supported() noexcept
 
+cdef int active_path() noexcept nogil
 cdef void widen_n(const uint16_t *src, float *dst, size_t n, int kind) noexcept nogil
 cdef void narrow_n(const float *src, uint16_t *dst, size_t n, int kind) noexcept nogil
 cdef int half_kind(object kind) except -1

@@ -4,10 +4,10 @@
 float16 and bfloat16 values are 16-bit patterns (uint16); ``_half.h`` widens
 them to float32 and narrows float32 back with round-to-nearest-even, on the
 fastest path this CPU supports (AVX-512 BF16, AVX2 + F16C) or on a portable
-path that gives the same bits.  This module owns which path is active: the
-kernels and the file reader convert through :c:func:`widen_n` /
-:c:func:`narrow_n` (declared in ``_halfconv.pxd``), so one choice holds for
-the whole package.
+path that gives the same bits.  This module owns which path is active, so one
+choice holds for the whole package: the kernels ask :c:func:`active_path`
+once per call and convert inline on it, the file reader converts through
+:c:func:`widen_n` / :c:func:`narrow_n` (declared in ``_halfconv.pxd``).
 
 The Python functions are private to lorahook: :func:`widen` and
 :func:`narrow` serve the adapters (``astype``), the others select and report
@@ -33,6 +33,11 @@ cdef extern from "_half.h" nogil:
     int lorahook_half_set_path(int path) noexcept
     void lorahook_half_widen(const uint16_t *src, float *dst, size_t n, int kind) noexcept
     void lorahook_half_narrow(const float *src, uint16_t *dst, size_t n, int kind) noexcept
+
+
+cdef int active_path() noexcept nogil:
+    """The conversion path in force (a ``LORAHOOK_HALF_*`` path), for the kernels."""
+    return lorahook_half_path()
 
 
 cdef void widen_n(const uint16_t *src, float *dst, size_t n, int kind) noexcept nogil:

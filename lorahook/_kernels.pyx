@@ -32,12 +32,19 @@ from libc.string cimport memcpy
 
 from lorahook cimport _blas
 from lorahook._checks cimport ROWS_F16, ROWS_F32, as_width, check_buffers
-from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, narrow_n, widen_n
+from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, active_path
 from scipy.linalg.cython_blas cimport sgemm
 
 import numpy as np
 
 cnp.import_array()
+
+cdef extern from "_half.h" nogil:
+    # inline conversions on a given path (the path itself is _halfconv's)
+    void widen_on "lorahook_half_widen_on" (int path, const uint16_t *src, float *dst, size_t n,
+                                            int kind) noexcept
+    void narrow_on "lorahook_half_narrow_on" (int path, const float *src, uint16_t *dst,
+                                              size_t n, int kind) noexcept
 
 cdef extern from "_kernels.h" nogil:
     float *lorahook_scratch_slot(size_t n, int slot, int *owned) noexcept
@@ -296,7 +303,7 @@ cdef enum:
 
 
 cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int d_in, int d_out,
-                           int hk) noexcept nogil:
+                           int hk, int hp) noexcept nogil:
     """Half-precision rows at or above the crossover, the output never widened whole.
 
     Per chunk of ``_HALF_CHUNK_ROWS`` rows: the input rows are widened into
@@ -333,20 +340,20 @@ cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int
     while k < n:
         c = <int>(chunk if n - k > chunk else n - k)
         for j in range(c):
-            widen_n(X + _row(s, k + j) * d_in, G + j * d_in, d_in, hk)
+            widen_on(hp, X + _row(s, k + j) * d_in, G + j * d_in, d_in, hk)
         alpha = _down(s, k, c, G, d_in, T)
         o0 = 0
         while o0 < d_out:
             ob = <int>(block if d_out - o0 > block else d_out - o0)
             for j in range(c):  # the block of each output row, widened
-                widen_n(Y + _row(s, k + j) * d_out + o0, D + j * ob, ob, hk)
+                widen_on(hp, Y + _row(s, k + j) * d_out + o0, D + j * ob, ob, hk)
             # D (c, ob) += alpha T B^T[:, o0:o0+ob]
             _blas.gemm(False, False, c, ob, rank, alpha, T, rank, s.b + o0, d_out, 1.0, D, ob)
             for j in range(c):  # each output row's block rounded once
                 r = _row(s, k + j)
                 if s.bias != NULL:
                     _blas.axpy(ob, _scale(s, k + j), s.bias + o0, D + j * ob)
-                narrow_n(D + j * ob, Y + r * d_out + o0, ob, hk)
+                narrow_on(hp, D + j * ob, Y + r * d_out + o0, ob, hk)
             o0 += ob
         k += c
     if owned:
@@ -355,7 +362,7 @@ cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int
 
 
 cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_in, int d_out,
-                        int hk) noexcept nogil:
+                        int hk, int hp) noexcept nogil:
     """Half-precision rows below the crossover: widened, the float32 row loop, rounded once.
 
     Each chunk's input and output rows are widened into scratch, the float32
@@ -378,8 +385,8 @@ cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_
     while k < n:
         c = <int>(chunk if n - k > chunk else n - k)
         for j in range(c):
-            widen_n(X + _row(s, k + j) * d_in, G + j * d_in, d_in, hk)
-            widen_n(Y + _row(s, k + j) * d_out, D + j * d_out, d_out, hk)
+            widen_on(hp, X + _row(s, k + j) * d_in, G + j * d_in, d_in, hk)
+            widen_on(hp, Y + _row(s, k + j) * d_out, D + j * d_out, d_out, hk)
         seg.rows = NULL
         seg.n_rows = c
         seg.row_scales = s.row_scales + k if s.row_scales != NULL else NULL
@@ -387,7 +394,7 @@ cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_
         if rc != 0:
             break
         for j in range(c):
-            narrow_n(D + j * d_out, Y + _row(s, k + j) * d_out, d_out, hk)
+            narrow_on(hp, D + j * d_out, Y + _row(s, k + j) * d_out, d_out, hk)
         k += c
     if owned:
         free(G)
@@ -395,7 +402,7 @@ cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_
 
 
 cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, int d_out,
-                          Py_ssize_t crossover, int kind) noexcept nogil:
+                          Py_ssize_t crossover, int kind, int hp) noexcept nogil:
     """Apply one segment to rows of any kind, with weights of any kind.
 
     16-bit weights are widened once per call into their scratch area.  The
@@ -412,21 +419,21 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
                                   _SCRATCH_WEIGHTS, &owned)
         if W == NULL:
             return -1
-        widen_n(<const uint16_t *>s.a16, W, <size_t>s.rank * d_in, s.wkind)
-        widen_n(<const uint16_t *>s.b16, W + <Py_ssize_t>s.rank * d_in,
+        widen_on(hp, <const uint16_t *>s.a16, W, <size_t>s.rank * d_in, s.wkind)
+        widen_on(hp, <const uint16_t *>s.b16, W + <Py_ssize_t>s.rank * d_in,
                 <size_t>s.rank * d_out, s.wkind)
         seg.a = W
         seg.b = W + <Py_ssize_t>s.rank * d_in
         if s.bias16 != NULL:
             seg.bias = W + <Py_ssize_t>s.rank * (d_in + d_out)
-            widen_n(<const uint16_t *>s.bias16, <float *>seg.bias, d_out, s.wkind)
+            widen_on(hp, <const uint16_t *>s.bias16, <float *>seg.bias, d_out, s.wkind)
     hk = LORAHOOK_HALF_F16 if kind == ROWS_F16 else LORAHOOK_HALF_BF16
     if kind == ROWS_F32:
         rc = _run_segment(&seg, <const float *>X, <float *>Y, d_in, d_out, crossover)
     elif s.n_rows >= crossover:
-        rc = _run_half_batched(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk)
+        rc = _run_half_batched(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk, hp)
     else:
-        rc = _run_half_rows(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk)
+        rc = _run_half_rows(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk, hp)
     if owned:
         free(W)
     return rc
@@ -451,6 +458,7 @@ cdef int run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.nda
     global _batched_seen
     cdef Py_ssize_t g, crossover = _gemm_crossover
     cdef int rc = 0
+    cdef int hp = active_path()  # one path for the whole call
     if not _batched_seen:
         # the one-time BLAS check (a warning, lorahook.threads) runs before the
         # buffers' addresses are taken; under -W error it refuses this call,
@@ -465,7 +473,7 @@ cdef int run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.nda
     cdef char *Y = <char *>cnp.PyArray_DATA(y)
     with nogil:
         for g in range(ng):
-            rc = _run_segment_any(&segs[g], X, Y, d_in, d_out, crossover, kind)
+            rc = _run_segment_any(&segs[g], X, Y, d_in, d_out, crossover, kind, hp)
             if rc != 0:
                 break
     if rc != 0:
