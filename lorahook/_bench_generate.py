@@ -14,9 +14,16 @@ dim 64, linear attention 4 key / 8 value heads of dims 32), float32, torch on
 * ``lorahook``: the base model attached to an :class:`~lorahook.AdapterSet`,
   ``with attached.sequences(["a", "b", None, "c"]): generate(...)``.
 
+With ``quant`` the base is quantized, the same way for every contender
+(each gets its own copy): ``"bnb-4bit"`` (bitsandbytes NF4, float32 compute,
+loaded with ``BitsAndBytesConfig`` and ``device_map="cpu"``; PEFT's
+``Linear4bit`` LoRA layers) or ``"torchao-int8"`` (torchao ``quantize_`` with
+int8 weight-only; PEFT's torchao layers).
+
 The contenders run in turn, one ``generate`` each per round, so a slow
 spell on a shared machine lands on all of them; the figures are medians over
-rounds.  Needs torch, transformers and peft (``ImportError`` otherwise).
+rounds.  Needs torch, transformers and peft, and the quantization library
+for ``quant`` (``ImportError`` otherwise).
 """
 import copy
 import tempfile
@@ -24,7 +31,7 @@ import time
 
 import numpy as np
 
-__all__ = ["GENERATE_CONFIG", "build", "run", "format_report"]
+__all__ = ["GENERATE_CONFIG", "QUANTIZED", "build", "run", "format_report"]
 
 GENERATE_CONFIG = dict(
     vocab_size=256, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -40,13 +47,38 @@ ADAPTERS = {"a": dict(r=8, lora_alpha=16),
             "c": dict(r=16, lora_alpha=16)}
 SELECTION = ["a", "b", None, "c"]
 PROMPT, NEW_TOKENS = 24, 16
+QUANTIZED = ("bnb-4bit", "torchao-int8")
 
 
-def build(workdir, dtype="float32"):
+def _quantized_copies(base, workdir, quant, n):
+    """``n`` copies of ``base`` quantized as ``quant`` (see the module docstring)."""
+    import torch
+    import transformers
+
+    if quant == "bnb-4bit":
+        import bitsandbytes  # noqa: F401  (ImportError when it is missing)
+        base.save_pretrained(f"{workdir}/base")
+        config = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+        return [transformers.AutoModelForCausalLM.from_pretrained(
+            f"{workdir}/base", quantization_config=config, device_map="cpu").eval()
+            for _ in range(n)]
+    if quant == "torchao-int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        copies = [copy.deepcopy(base) for _ in range(n)]
+        for model in copies:
+            quantize_(model, Int8WeightOnlyConfig())
+        return copies
+    raise ValueError(f"quant must be None or one of {QUANTIZED}, got {quant!r}")
+
+
+def build(workdir, dtype="float32", quant=None):
     """The model, PEFT's model and lorahook's attachment; adapters saved under ``workdir``.
 
     ``dtype`` (``"float32"`` or ``"bfloat16"``) is the models' dtype; PEFT
-    keeps its defaults for that dtype, lorahook its float32 adapters.
+    keeps its defaults for that dtype, lorahook its float32 adapters.  With
+    ``quant`` (one of :data:`QUANTIZED`) the three models are quantized
+    float32 bases.
     """
     import peft
     import torch
@@ -63,13 +95,17 @@ def build(workdir, dtype="float32"):
         model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
             init_lora_weights=False, target_modules=TARGETS, **lora))
         model.save_pretrained(f"{workdir}/{name}")
-    base = base.to(getattr(torch, dtype))
-    peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(base), f"{workdir}/a",
-                                                adapter_name="a")
+    if quant is not None:
+        if dtype != "float32":
+            raise ValueError(f"quantized scenarios run float32 activations, got dtype={dtype!r}")
+        base, for_peft, hooked = _quantized_copies(base, workdir, quant, 3)
+    else:
+        base = base.to(getattr(torch, dtype))
+        for_peft, hooked = copy.deepcopy(base), copy.deepcopy(base)
+    peft_model = peft.PeftModel.from_pretrained(for_peft, f"{workdir}/a", adapter_name="a")
     for name in ("b", "c"):
         peft_model.load_adapter(f"{workdir}/{name}", adapter_name=name)
     peft_model.eval()
-    hooked = copy.deepcopy(base)
     adapters = AdapterSet()
     attached = attach(hooked, adapters)
     for name in ADAPTERS:
@@ -103,7 +139,7 @@ def contenders(base, peft_model, hooked, attached, inputs):
     return {"base": run_base, "peft": run_peft, "lorahook": run_lorahook}
 
 
-def run(rounds=7, torch_threads=2, dtype="float32"):
+def run(rounds=7, torch_threads=2, dtype="float32", quant=None):
     """Time the three contenders; returns a dict of medians (seconds) and ratios."""
     import torch
 
@@ -114,7 +150,7 @@ def run(rounds=7, torch_threads=2, dtype="float32"):
     torch.set_num_threads(torch_threads)
     try:
         with tempfile.TemporaryDirectory(prefix="lorahook-bench-") as workdir:
-            parts = build(workdir, dtype)
+            parts = build(workdir, dtype, quant)
             calls = contenders(*parts)
             outs = {name: fn() for name, fn in calls.items()}  # warm-up, and the check below
             times = {name: [] for name in calls}
@@ -136,6 +172,7 @@ def run(rounds=7, torch_threads=2, dtype="float32"):
         "rounds": rounds,
         "torch_threads": torch_threads,
         "dtype": dtype,
+        "quant": quant,
     }
 
 
@@ -144,7 +181,8 @@ def format_report(res):
     med = res["median"]
     return "\n".join([
         f"mixed-batch generate (4 sequences: 3 adapters + base, prompt {PROMPT}, {NEW_TOKENS} new "
-        f"tokens, random Qwen3.5 hidden 512 x 4 layers, {res.get('dtype', 'float32')}, torch "
+        f"tokens, random Qwen3.5 hidden 512 x 4 layers, {res.get('dtype', 'float32')}"
+        f"{', base ' + res['quant'] if res.get('quant') else ''}, torch "
         f"{res['torch_threads']} "
         f"threads; medians of {res['rounds']} rounds):",
         f"  base {med['base'] * 1e3:.1f} ms, PEFT adapter_names {med['peft'] * 1e3:.1f} ms, "

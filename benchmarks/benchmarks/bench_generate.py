@@ -35,3 +35,37 @@ class MixedGenerate:
 
     def time_generate(self, contender, dtype):
         self.call()
+
+
+class QuantizedMixedGenerate:
+    """The same scenario on quantized bases: bitsandbytes 4-bit and torchao int8 (float32 rows)."""
+
+    params = [["base", "peft", "lorahook"], ["bnb-4bit", "torchao-int8"]]
+    param_names = ["contender", "quant"]
+    timeout = 900
+    number = 1
+    repeat = 5
+
+    def setup(self, contender, quant):
+        try:
+            import torch
+            from lorahook import _bench_generate as bench_generate, threads
+        except ImportError:
+            raise NotImplementedError
+        if not hasattr(bench_generate, "QUANTIZED"):
+            raise NotImplementedError  # a lorahook version without quantized bases
+        threads.configure(blas_threads=1)
+        torch.set_num_threads(2)
+        self.workdir = tempfile.TemporaryDirectory(prefix="lorahook-asv-")
+        try:
+            parts = bench_generate.build(self.workdir.name, "float32", quant)
+        except ImportError:
+            raise NotImplementedError
+        self.call = bench_generate.contenders(*parts)[contender]
+        self.call()  # warm-up
+
+    def teardown(self, contender, quant):
+        self.workdir.cleanup()
+
+    def time_generate(self, contender, quant):
+        self.call()

@@ -307,6 +307,25 @@ def test_greedy_tokens_on_a_4bit_base_equal_peft(world):
     assert got.tolist() != bare.tolist()  # the adapters changed some tokens
 
 
+def test_beam_search_with_left_padding_on_a_4bit_base_equals_peft(world):
+    kind = "bitsandbytes-4bit-nf4"
+    ref = _peft_model(kind, world)
+    model = _quantized(kind, world)
+    attached = attach(model, _adapter_set(world[1]))
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    ids[2, :3], mask[2, :3] = 0, 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=3,
+              num_return_sequences=2, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = ref.generate(**kw, adapter_names=PEFT_NAMES)
+        with attached.sequences(SELECTED):
+            got = model.generate(**kw)
+    assert got.shape == (2 * len(SELECTED), ids.shape[1] + 5)
+    assert got.tolist() == want.tolist()
+
+
 # --------------------------------------------------------------------------- refusals
 
 class _OwnLinear(torch.nn.Linear):
