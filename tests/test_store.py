@@ -531,3 +531,47 @@ def test_arrays_shared_with_a_pinned_adapter_count_once_in_the_capacity_check():
     with pytest.raises(LoraCapacityError):
         s.add("other", _adapter(2))  # its own arrays do not fit beside the pinned one
     assert s.names() == ["base", "half"]
+
+
+def test_stats_add_up_with_interrupted_and_failing_loads_pins_and_binds(store):
+    root, written = store
+    counts = {"resolved": 0}
+    lock = threading.Lock()
+    chance = random.Random(7)
+
+    def resolve(name):
+        if name == "broken":
+            raise LoraFormatError("broken on purpose")
+        with lock:
+            interrupt = chance.random() < 0.05
+            counts["resolved"] += not interrupt
+        if interrupt:
+            raise KeyboardInterrupt
+        return str(root / name)
+
+    s = AdapterSet(capacity_bytes=3 * ONE, resolver=resolve)
+
+    def worker(seed):
+        rnd = random.Random(seed)
+        rng = np.random.default_rng(seed)
+        for _ in range(150):
+            op = rnd.random()
+            try:
+                if op < 0.7:
+                    names = rnd.sample(NAMES, rnd.randint(1, 3)) + [None]
+                    _check_rows(s.bind(names), names, written,
+                                rng.standard_normal((len(names), D_IN)).astype(np.float32))
+                elif op < 0.8:
+                    s.get("broken")
+                else:
+                    name = rnd.choice(NAMES)
+                    s.pin(name)
+                    s.unpin(name)
+            except (KeyboardInterrupt, LoraFormatError, LoraCapacityError, KeyError):
+                pass  # an interrupted or refused call; a KeyError: unpinned after an eviction
+
+    run_in_threads(worker, [(seed,) for seed in range(8)])
+    stats = s.stats()
+    assert stats["loading"] == 0 and stats["evictions"] > 0
+    assert stats["resident"] == stats["loads"] - stats["evictions"]
+    assert counts["resolved"] == stats["loads"]
