@@ -295,6 +295,14 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
     return 0
 
 
+cdef inline void _widen_rows(const Segment *s, Py_ssize_t k, int c, const uint16_t *src,
+                             int width, float *dst, int hk, int hp) noexcept nogil:
+    """Widen the segment's rows ``k..k+c`` of ``src`` (rows of ``width``) into ``dst``, packed."""
+    cdef int j
+    for j in range(c):
+        widen_on(hp, src + _row(s, k + j) * width, dst + j * width, width, hk)
+
+
 # Half-precision batches: rows per chunk, and the floats of one block of the
 # delta (a block of output columns for every row of a chunk), kept in L1/L2.
 cdef enum:
@@ -339,8 +347,7 @@ cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int
     k = 0
     while k < n:
         c = <int>(chunk if n - k > chunk else n - k)
-        for j in range(c):
-            widen_on(hp, X + _row(s, k + j) * d_in, G + j * d_in, d_in, hk)
+        _widen_rows(s, k, c, X, d_in, G, hk, hp)
         alpha = _down(s, k, c, G, d_in, T)
         o0 = 0
         while o0 < d_out:
@@ -384,9 +391,8 @@ cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_
     k = 0
     while k < n:
         c = <int>(chunk if n - k > chunk else n - k)
-        for j in range(c):
-            widen_on(hp, X + _row(s, k + j) * d_in, G + j * d_in, d_in, hk)
-            widen_on(hp, Y + _row(s, k + j) * d_out, D + j * d_out, d_out, hk)
+        _widen_rows(s, k, c, X, d_in, G, hk, hp)
+        _widen_rows(s, k, c, Y, d_out, D, hk, hp)
         seg.rows = NULL
         seg.n_rows = c
         seg.row_scales = s.row_scales + k if s.row_scales != NULL else NULL

@@ -6,66 +6,55 @@ installed, or on lorahook versions without sequence selections.
 import tempfile
 
 
-class MixedGenerate:
-    params = [["base", "peft", "lorahook"], ["float32", "bfloat16"]]
-    param_names = ["contender", "dtype"]
-    timeout = 600
-    number = 1
-    repeat = 5
+class _Generate:
+    """One contender's ``generate`` on a scenario built once per parameter set."""
 
-
-    def setup(self, contender, dtype):
-        try:
-            import torch
-            from lorahook import _bench_generate as bench_generate, threads
-        except ImportError:
-            raise NotImplementedError
-        threads.configure(blas_threads=1)
-        torch.set_num_threads(2)
-        self.workdir = tempfile.TemporaryDirectory(prefix="lorahook-asv-")
-        try:
-            parts = bench_generate.build(self.workdir.name, dtype)
-        except ImportError:
-            raise NotImplementedError
-        self.call = bench_generate.contenders(*parts)[contender]
-        self.call()  # warm-up
-
-    def teardown(self, contender, dtype):
-        self.workdir.cleanup()
-
-    def time_generate(self, contender, dtype):
-        self.call()
-
-
-class QuantizedMixedGenerate:
-    """The same scenario on quantized bases: bitsandbytes 4-bit and torchao int8 (float32 rows)."""
-
-    params = [["base", "peft", "lorahook"], ["bnb-4bit", "torchao-int8"]]
-    param_names = ["contender", "quant"]
     timeout = 900
     number = 1
     repeat = 5
 
-    def setup(self, contender, quant):
+    def _build(self, contender, dtype, quant=None):
         try:
             import torch
             from lorahook import _bench_generate as bench_generate, threads
         except ImportError:
             raise NotImplementedError
-        if not hasattr(bench_generate, "QUANTIZED"):
+        if quant is not None and not hasattr(bench_generate, "QUANTIZED"):
             raise NotImplementedError  # a lorahook version without quantized bases
         threads.configure(blas_threads=1)
         torch.set_num_threads(2)
         self.workdir = tempfile.TemporaryDirectory(prefix="lorahook-asv-")
         try:
-            parts = bench_generate.build(self.workdir.name, "float32", quant)
+            parts = (bench_generate.build(self.workdir.name, dtype, quant) if quant is not None
+                     else bench_generate.build(self.workdir.name, dtype))
         except ImportError:
             raise NotImplementedError
         self.call = bench_generate.contenders(*parts)[contender]
         self.call()  # warm-up
 
-    def teardown(self, contender, quant):
+    def teardown(self, *params):
         self.workdir.cleanup()
+
+
+class MixedGenerate(_Generate):
+    params = [["base", "peft", "lorahook"], ["float32", "bfloat16"]]
+    param_names = ["contender", "dtype"]
+
+    def setup(self, contender, dtype):
+        self._build(contender, dtype)
+
+    def time_generate(self, contender, dtype):
+        self.call()
+
+
+class QuantizedMixedGenerate(_Generate):
+    """The same scenario on quantized bases: bitsandbytes 4-bit and torchao int8 (float32 rows)."""
+
+    params = [["base", "peft", "lorahook"], ["bnb-4bit", "torchao-int8"]]
+    param_names = ["contender", "quant"]
+
+    def setup(self, contender, quant):
+        self._build(contender, "float32", quant)
 
     def time_generate(self, contender, quant):
         self.call()
