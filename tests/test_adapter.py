@@ -262,7 +262,8 @@ def test_numpy_str_module_names_are_module_names():
     adapter = LoraAdapter({(0, "q_proj"): LoraLayer(rng.standard_normal((2, 8)),
                                                      rng.standard_normal((6, 2)))})
     x = rng.standard_normal((4, 8)).astype(np.float32)
-    expect, got = np.zeros((4, 6), np.float32), np.zeros((4, 6), np.float32)
-    apply_lora_rows(adapter, 0, "q_proj", x, expect)
+    got = np.zeros((4, 6), np.float32)
     apply_lora_rows(adapter, np.int64(0), np.str_("q_proj"), x, got)
-    assert np.array_equal(got, expect) and expect.any()
+    layer = adapter.layers[(0, "q_proj")]
+    ref = x.astype(np.float64) @ layer.a.T.astype(np.float64) @ layer.b.T.astype(np.float64)
+    assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
