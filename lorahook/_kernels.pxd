@@ -54,3 +54,5 @@ cdef int run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n
                    int kind) except -1
 cdef int run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.ndarray y,
                       int d_in, int d_out, int kind) except -1
+cdef object private_vector(object obj, int typenum, object dtype, str where, str what,
+                           str kind)

@@ -497,15 +497,20 @@ def apply_layer(LayerKernel layer not None, input, output, Py_ssize_t n_rows):
 # grouped rows: several layers, each on its own rows of one batch
 # ---------------------------------------------------------------------------
 
-cdef object _private_vector(object obj, int typenum, object dtype, Py_ssize_t g, str what,
-                            str kind):
-    """A private C-contiguous copy of a 1-D array of ``typenum``, or ``None`` for ``None``."""
+cdef object private_vector(object obj, int typenum, object dtype, str where, str what,
+                           str kind):
+    """A private C-contiguous copy of a 1-D array of ``typenum``, or ``None`` for ``None``.
+
+    ``TypeError`` naming ``where`` (``"group 3"``) and ``what`` for anything else.
+    """
     if obj is None:
         return None
-    cdef cnp.ndarray arr = <cnp.ndarray?>obj
+    if not isinstance(obj, np.ndarray):
+        raise TypeError(f"{where}: {what} must be a 1-D {kind} array, got {type(obj).__name__}")
+    cdef cnp.ndarray arr = <cnp.ndarray>obj
     if (cnp.PyArray_TYPE(arr) != typenum or cnp.PyArray_NDIM(arr) != 1
             or not cnp.PyArray_ISNOTSWAPPED(arr)):
-        raise TypeError(f"group {g}: {what} must be a 1-D {kind} array in native byte order")
+        raise TypeError(f"{where}: {what} must be a 1-D {kind} array in native byte order")
     return np.array(arr, dtype=dtype, order="C", copy=True, subok=False)
 
 
@@ -547,9 +552,10 @@ cdef class GroupPlan:
             if not isinstance(layer_obj, LayerKernel):
                 raise TypeError(f"group {g}: expected a LayerKernel, got {type(layer_obj).__name__}")
             owned.append((layer_obj, float(scale),
-                          _private_vector(rows_obj, cnp.NPY_INT32, np.int32, g, "rows", "int32"),
-                          _private_vector(rs_obj, cnp.NPY_FLOAT32, np.float32, g, "row_scales",
-                                          "float32")))
+                          private_vector(rows_obj, cnp.NPY_INT32, np.int32, f"group {g}", "rows",
+                                         "int32"),
+                          private_vector(rs_obj, cnp.NPY_FLOAT32, np.float32, f"group {g}",
+                                         "row_scales", "float32")))
         self._owned = owned
         self._ng = len(owned)
         self._segs_obj = bytearray(self._ng * sizeof(Segment))

@@ -37,7 +37,7 @@ cimport numpy as cnp
 from cpython.type cimport PyType_IsSubtype
 
 from lorahook._checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, as_int, check_call
-from lorahook._kernels cimport GroupPlan, LayerKernel, run_layer
+from lorahook._kernels cimport GroupPlan, LayerKernel, private_vector, run_layer
 
 import numpy as np
 
@@ -178,16 +178,6 @@ cdef object _expand_units(object idx, Py_ssize_t per_unit):
             + np.arange(per_unit, dtype=np.int64)).astype(np.int32).ravel()
 
 
-cdef object _private_units(object obj, object dtype, str label, str what):
-    """A private 1-D copy of ``obj`` in ``dtype`` (``None`` for ``None``)."""
-    if obj is None:
-        return None
-    arr = np.asarray(obj)
-    if arr.ndim != 1 or arr.dtype != dtype:
-        raise TypeError(f"part {label!r}: {what} must be a 1-D {np.dtype(dtype)} array")
-    return np.array(arr, dtype=dtype, order="C", copy=True)
-
-
 @cython.auto_pickle(False)
 cdef class UnitGroups(KernelSource):
     """Unit groups: kernel tables each applied to some blocks of a call's rows."""
@@ -212,8 +202,10 @@ cdef class UnitGroups(KernelSource):
                                 f"got {type(table).__name__}")
             groups = {}
             for s, (scale, idx, scales) in dict(by_scale).items():
-                idx = _private_units(idx, np.int32, label, "unit indices")
-                scales = _private_units(scales, np.float32, label, "unit scales")
+                idx = private_vector(idx, cnp.NPY_INT32, np.int32, f"part {label!r}",
+                                     "unit indices", "int32")
+                scales = private_vector(scales, cnp.NPY_FLOAT32, np.float32, f"part {label!r}",
+                                        "unit scales", "float32")
                 m = units if idx is None else len(idx)
                 if idx is not None and m and (idx[0] < 0 or idx[m - 1] >= units
                                               or (m > 1 and not (np.diff(idx) > 0).all())):

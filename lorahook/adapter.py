@@ -349,8 +349,7 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             if not isinstance(path, str):
                 raise TypeError(f"module path for {key!r} must be a str, got {type(path).__name__}")
             paths[key] = path
-        if threads._found is None:
-            threads._look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
+        threads._look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         # the core's kernel table first (the keys is_active is true for, rank > 0):
         # it refuses a second fill, before this adapter's state is touched
         self._set_table({key: layer._kernel for key, layer in checked.items() if layer.rank > 0},

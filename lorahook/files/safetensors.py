@@ -451,29 +451,23 @@ class SafetensorsFile:
             raise LoraFormatError(f"{path}: the file changed size while it was being read")
         status, detail = _load.read_plan(fd, plan, buffer, bad, _SCRATCH_BYTES, _RUN_BYTES,
                                          _MAX_RUN)
-        return _finish_read(path, status, detail, order, wanted, out, bad, buffer, finite,
-                            metadata)
-
-
-def _finish_read(path, status, detail, order, wanted, out, bad, buffer, finite, metadata):
-    """The arrays of a finished :func:`_load.read_plan`, or the error it ended in."""
-    if status == 1:
-        raise LoraFormatError(
-            f"{path}: the file changed size while it was being read (it ended inside tensor "
-            f"{order[detail]!r})"
-        )
-    if status == 2:
-        raise LoraFormatError(f"{path}: reading failed: {os.strerror(detail)}")
-    if finite and bad.any():
-        culprits = {order[t]: int(bad[t]) for t in np.flatnonzero(bad)}
-        name = next(n for n in wanted if n in culprits)
-        raise LoraFormatError(f"{path}: tensor {name!r} has {culprits[name]} non-finite value(s)")
-    buffer.flags.writeable = False
-    arrays = {}
-    for name in wanted:
-        begin, count, shape = out[name]
-        arrays[name] = buffer[begin:begin + count].reshape(shape)
-    return arrays, metadata
+        if status == 1:
+            raise LoraFormatError(
+                f"{path}: the file changed size while it was being read (it ended inside tensor "
+                f"{order[detail]!r})"
+            )
+        if status == 2:
+            raise LoraFormatError(f"{path}: reading failed: {os.strerror(detail)}")
+        if finite and bad.any():
+            culprits = {order[t]: int(bad[t]) for t in np.flatnonzero(bad)}
+            name = next(n for n in wanted if n in culprits)
+            raise LoraFormatError(f"{path}: tensor {name!r} has {culprits[name]} non-finite value(s)")
+        buffer.flags.writeable = False
+        arrays = {}
+        for name in wanted:
+            begin, count, shape = out[name]
+            arrays[name] = buffer[begin:begin + count].reshape(shape)
+        return arrays, metadata
 
 
 def read_safetensors(
