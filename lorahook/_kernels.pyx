@@ -26,12 +26,12 @@ on buffers the caller has checked with ``lorahook._checks``.
 cimport cython
 cimport numpy as cnp
 from libc.limits cimport INT_MAX
-from libc.stdint cimport uint16_t
+from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport free
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from lorahook cimport _blas
-from lorahook._checks cimport ROWS_F16, ROWS_F32, as_width, check_buffers
+from lorahook._checks cimport ROWS_F16, ROWS_F32, as_width, check_buffers, check_type, check_layout
 from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, active_path
 from scipy.linalg.cython_blas cimport sgemm
 
@@ -66,6 +66,14 @@ cdef Py_ssize_t _gemm_crossover = 32
 # process runs; set by lorahook.threads (its BLAS pool check).
 cdef object _first_batched = None
 cdef bint _batched_seen = False
+
+
+#: What a LayerKernel computes (its ``kind``): a linear LoRA layer (DoRA
+#: included), an embedding LoRA layer, a saved linear module, a saved embedding.
+LORA = KIND_LORA
+EMBEDDING = KIND_EMBEDDING
+SAVED_LINEAR = KIND_SAVED_LINEAR
+SAVED_EMBEDDING = KIND_SAVED_EMBEDDING
 
 
 def _set_first_batched(fn):
@@ -119,8 +127,37 @@ cdef class LayerKernel:
     read past an array.
     """
 
-    def __cinit__(self, a, bt, scale, bias=None, weights="float32"):
+    def __cinit__(self, a, bt, scale, bias=None, weights="float32", *, int kind=KIND_LORA,
+                  pre_mul=None, pre_add=None, bint needs_base=False):
         cdef Py_ssize_t rank, d_in, d_out, bt_rank
+        if kind not in (KIND_LORA, KIND_EMBEDDING, KIND_SAVED_LINEAR, KIND_SAVED_EMBEDDING):
+            raise ValueError(f"kind must be one of the KIND_* values, got {kind}")
+        self.kind = kind
+        self.needs_base = needs_base
+        if kind == KIND_SAVED_LINEAR or kind == KIND_SAVED_EMBEDDING:
+            # a module saved whole: bt is W^T (d_in, d_out) or the table E (num_embeddings, dim)
+            if a is not None or bias is not None or weights != "float32" or pre_mul is not None:
+                raise ValueError("a saved module's kernel takes bt (and pre_add as its bias) only, "
+                                 "in float32")
+            self.wkind = -1
+            self.bt = bt
+            d_in, d_out = self.bt.shape[0], self.bt.shape[1]
+            if d_in < 1 or d_out < 1 or d_in > INT_MAX or d_out > INT_MAX:
+                raise ValueError(f"a saved module's dimensions must be in [1, {INT_MAX}], "
+                                 f"got ({d_in}, {d_out})")
+            self.rank = <int>d_in
+            self.d_in = <int>d_in
+            self.d_out = <int>d_out
+            self.scale = <float>scale
+            self.has_bias = False
+            self.pre = 2
+            if pre_add is not None:
+                self.pre_add = pre_add
+                if self.pre_add.shape[0] != d_out:
+                    raise ValueError(f"pre_add must have shape ({d_out},), got ({self.pre_add.shape[0]},)")
+            return
+        if (pre_mul is None) != (pre_add is None):
+            raise ValueError("pre_mul and pre_add go together")
         if weights == "float32":
             self.wkind = -1
             self.a = a
@@ -157,6 +194,14 @@ cdef class LayerKernel:
             bias_len = self.bias16.shape[0]
         if self.has_bias and bias_len != d_out:
             raise ValueError(f"bias must have shape ({d_out},), got ({bias_len},)")
+        if pre_mul is not None:
+            if self.wkind >= 0 or kind != KIND_LORA:
+                raise ValueError("pre_mul / pre_add go with float32 linear LoRA kernels only")
+            self.pre = 1
+            self.pre_mul = pre_mul
+            self.pre_add = pre_add
+            if self.pre_mul.shape[0] != d_out or self.pre_add.shape[0] != d_out:
+                raise ValueError(f"pre_mul and pre_add must have shape ({d_out},)")
 
     def __reduce__(self):
         raise TypeError("LayerKernel is rebuilt from its LoraLayer and does not pickle")
@@ -167,7 +212,10 @@ cdef class LayerKernel:
         s.b = NULL
         s.a16 = NULL
         s.b16 = NULL
-        if self.rank > 0 and self.wkind < 0:
+        s.direct = self.kind == KIND_SAVED_LINEAR or self.kind == KIND_SAVED_EMBEDDING
+        if s.direct:
+            s.b = &self.bt[0, 0]
+        elif self.rank > 0 and self.wkind < 0:
             s.a = &self.a[0, 0]
             s.b = &self.bt[0, 0]
         elif self.rank > 0:
@@ -180,6 +228,10 @@ cdef class LayerKernel:
         s.rows = NULL
         s.row_scales = NULL
         s.n_rows = 0
+        s.pre = self.pre
+        s.d_in = self.d_in
+        s.pre_mul = &self.pre_mul[0] if self.pre == 1 else NULL
+        s.pre_add = &self.pre_add[0] if self.pre_add is not None else NULL
 
 
 # ---------------------------------------------------------------------------
@@ -203,12 +255,26 @@ cdef inline float _scale(const Segment *s, Py_ssize_t i) noexcept nogil:
     return s.row_scales[i] if s.row_scales != NULL else s.scale
 
 
+cdef inline void _pre(const Segment *s, float *y, Py_ssize_t o0, Py_ssize_t n) noexcept nogil:
+    """What a row becomes before the delta is added (columns ``o0..o0+n`` of it, at ``y``)."""
+    cdef Py_ssize_t j
+    if s.pre == 1:  # DoRA: g * y + (1 - g) * b
+        for j in range(n):
+            y[j] = s.pre_mul[o0 + j] * y[j] + s.pre_add[o0 + j]
+    elif s.pre == 2:  # replaced: the saved module's bias, or zeros
+        if s.pre_add != NULL:
+            memcpy(y, s.pre_add + o0, n * sizeof(float))
+        else:
+            memset(y, 0, n * sizeof(float))
+
+
 cdef inline float _down(const Segment *s, Py_ssize_t k, int c, const float *X, int d_in,
                         float *T) noexcept nogil:
     """``T = X A^T`` for the ``c`` rows of ``X`` (the segment's rows ``k..k+c``).
 
     Per-row scales are folded into ``T``; returns the scale the product with
-    ``B`` then takes (1, or the segment's one scale).
+    ``B`` then takes (1, or the segment's one scale).  Not for a direct
+    segment (its ``T`` is ``X``, and it has no per-row scales).
     """
     cdef int j
     _blas.gemm(False, True, c, s.rank, d_in, 1.0, X, d_in, s.a, d_in, 0.0, T, s.rank)
@@ -228,6 +294,7 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
         return 0
     cdef float alpha
     cdef const float *xr
+    cdef const float *tp
     cdef float *yr
     cdef float *t
     cdef float *scratch
@@ -247,6 +314,11 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
             r = _row(s, i)
             alpha = _scale(s, i)
             yr = Y + r * d_out
+            if s.pre:
+                _pre(s, yr, 0, d_out)
+            if s.direct:  # y += a W x
+                _blas.gemv(True, rank, d_out, alpha, s.b, d_out, X + r * d_in, 1.0, yr)
+                continue
             _blas.gemv(False, rank, d_in, 1.0, s.a, d_in, X + r * d_in, 0.0, t)   # t = A x
             _blas.gemv(True, rank, d_out, alpha, s.b, d_out, t, 1.0, yr)        # y += a B t
             if s.bias != NULL:
@@ -278,12 +350,20 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
             for j in range(c):
                 memcpy(G + j * d_in, X + <Py_ssize_t>s.rows[k + j] * d_in, d_in * sizeof(float))
             xr = G
-        alpha = _down(s, k, c, xr, d_in, t)
+        if s.direct:  # T is X itself
+            alpha = s.scale
+            tp = xr
+        else:
+            alpha = _down(s, k, c, xr, d_in, t)
+            tp = t
+        if s.pre:
+            for j in range(c):
+                _pre(s, Y + _row(s, k + j) * d_out, 0, d_out)
         if consecutive:  # Y += alpha T B^T
-            _blas.gemm(False, False, c, d_out, rank, alpha, t, rank, s.b, d_out, 1.0,
+            _blas.gemm(False, False, c, d_out, rank, alpha, tp, rank, s.b, d_out, 1.0,
                        Y + r0 * d_out, d_out)
         else:
-            _blas.gemm(False, False, c, d_out, rank, alpha, t, rank, s.b, d_out, 0.0, D, d_out)
+            _blas.gemm(False, False, c, d_out, rank, alpha, tp, rank, s.b, d_out, 0.0, D, d_out)
             for j in range(c):
                 _blas.axpy(d_out, 1.0, D + j * d_out, Y + <Py_ssize_t>s.rows[k + j] * d_out)
         if s.bias != NULL:
@@ -325,6 +405,7 @@ cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int
     cdef Py_ssize_t n = s.n_rows, k, j, r, o0
     cdef int c, ob, block, owned = 0
     cdef float alpha
+    cdef const float *tp
     # more rows per chunk and wider blocks for higher ranks, where each product
     # has more to do; rank 16: 32 rows, blocks of 128 output columns
     cdef int grow = 1 + (rank - 1) // 16
@@ -348,14 +429,21 @@ cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int
     while k < n:
         c = <int>(chunk if n - k > chunk else n - k)
         _widen_rows(s, k, c, X, d_in, G, hk, hp)
-        alpha = _down(s, k, c, G, d_in, T)
+        if s.direct:  # T is X itself (rank == d_in)
+            alpha = s.scale
+            tp = G
+        else:
+            alpha = _down(s, k, c, G, d_in, T)
+            tp = T
         o0 = 0
         while o0 < d_out:
             ob = <int>(block if d_out - o0 > block else d_out - o0)
             for j in range(c):  # the block of each output row, widened
                 widen_on(hp, Y + _row(s, k + j) * d_out + o0, D + j * ob, ob, hk)
+                if s.pre:
+                    _pre(s, D + j * ob, o0, ob)
             # D (c, ob) += alpha T B^T[:, o0:o0+ob]
-            _blas.gemm(False, False, c, ob, rank, alpha, T, rank, s.b + o0, d_out, 1.0, D, ob)
+            _blas.gemm(False, False, c, ob, rank, alpha, tp, rank, s.b + o0, d_out, 1.0, D, ob)
             for j in range(c):  # each output row's block rounded once
                 r = _row(s, k + j)
                 if s.bias != NULL:
@@ -445,6 +533,109 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
     return rc
 
 
+# Rows per chunk of an embedding segment.
+cdef enum:
+    _EMBEDDING_CHUNK_ROWS = 64
+
+
+cdef int _run_embedding(const Segment *s, const int64_t *ids, char *Y, int num_emb, int d_out,
+                        int kind, int hp) noexcept nogil:
+    """One embedding segment on the rows of checked ids (each in ``[0, num_emb)``).
+
+    LoRA: ``T = s * A[:, ids]`` is gathered per chunk of rows, ``D = T B^T``
+    one product, and each row of ``D`` added to its output row (half rows
+    widened, added in float32 and rounded once).  A saved embedding (direct)
+    replaces each row with ``E[id]``.  Returns -1 without memory.
+    """
+    cdef Py_ssize_t n = s.n_rows, k, r, q
+    cdef int rank = s.rank, c, j, owned = 0, owned_w = 0, hk, rc = 0
+    cdef float alpha, v
+    cdef const float *bt = s.b
+    cdef float *W = NULL
+    cdef float *yr
+    cdef int64_t idx
+    if n == 0 or rank == 0:
+        return 0
+    hk = LORAHOOK_HALF_F16 if kind == ROWS_F16 else LORAHOOK_HALF_BF16
+    if s.wkind >= 0:  # 16-bit LoRA factors: B widened once, A read per element
+        W = lorahook_scratch_slot(<size_t>rank * d_out, _SCRATCH_WEIGHTS, &owned_w)
+        if W == NULL:
+            return -1
+        widen_on(hp, <const uint16_t *>s.b16, W, <size_t>rank * d_out, s.wkind)
+        bt = W
+    cdef Py_ssize_t chunk = _EMBEDDING_CHUNK_ROWS if n > _EMBEDDING_CHUNK_ROWS else n
+    cdef Py_ssize_t t_cols = 0 if s.direct else rank
+    cdef float *T = lorahook_scratch_slot(<size_t>chunk * (t_cols + d_out) + d_out, _SCRATCH_F32,
+                                          &owned)
+    if T == NULL:
+        if owned_w:
+            free(W)
+        return -1
+    cdef float *D = T + chunk * t_cols
+    cdef float *R = D + chunk * d_out
+    k = 0
+    while k < n:
+        c = <int>(chunk if n - k > chunk else n - k)
+        if s.direct:
+            for j in range(c):
+                idx = ids[_row(s, k + j)]
+                memcpy(D + j * d_out, bt + idx * d_out, d_out * sizeof(float))
+                alpha = _scale(s, k + j)
+                if alpha != 1.0:
+                    _blas.scal(d_out, alpha, D + j * d_out)
+        else:
+            for j in range(c):
+                idx = ids[_row(s, k + j)]
+                alpha = _scale(s, k + j)
+                for q in range(rank):
+                    if s.wkind >= 0:
+                        widen_on(hp, <const uint16_t *>s.a16 + q * num_emb + idx, &v, 1, s.wkind)
+                    else:
+                        v = s.a[q * num_emb + idx]
+                    T[j * rank + q] = alpha * v
+            _blas.gemm(False, False, c, d_out, rank, 1.0, T, rank, bt, d_out, 0.0, D, d_out)
+        for j in range(c):
+            r = _row(s, k + j)
+            if kind == ROWS_F32:
+                yr = <float *>Y + r * d_out
+            else:
+                yr = R
+                widen_on(hp, <const uint16_t *>Y + r * d_out, R, d_out, hk)
+            if s.pre:
+                _pre(s, yr, 0, d_out)
+            _blas.axpy(d_out, 1.0, D + j * d_out, yr)
+            if kind != ROWS_F32:
+                narrow_on(hp, R, <uint16_t *>Y + r * d_out, d_out, hk)
+        k += c
+    if owned:
+        free(T)
+    if owned_w:
+        free(W)
+    return rc
+
+
+cdef int run_embedding_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray ids,
+                                cnp.ndarray y, int d_out, int kind) except -1:
+    """Run embedding segments one after the other, with the GIL released.
+
+    ``ids`` is a private int64 array whose values were checked against every
+    segment's ``num_embeddings`` (its ``d_in``); ``y`` a checked output buffer.
+    """
+    cdef Py_ssize_t g
+    cdef int rc = 0
+    cdef int hp = active_path()
+    cdef const int64_t *I = <const int64_t *>cnp.PyArray_DATA(ids)
+    cdef char *Y = <char *>cnp.PyArray_DATA(y)
+    with nogil:
+        for g in range(ng):
+            rc = _run_embedding(&segs[g], I, Y, segs[g].d_in, d_out, kind, hp)
+            if rc != 0:
+                break
+    if rc != 0:
+        raise MemoryError("lorahook could not allocate its scratch buffer")
+    return 0
+
+
 cdef int run_layer(LayerKernel layer, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_rows,
                    int kind) except -1:
     """One layer on buffers already checked to hold ``n_rows`` rows of the layer's widths."""
@@ -529,7 +720,8 @@ cdef class GroupPlan:
     and may be applied from several threads at once.
     """
 
-    def __cinit__(self, list groups not None, Py_ssize_t n_rows, Py_ssize_t d_in, Py_ssize_t d_out):
+    def __cinit__(self, list groups not None, Py_ssize_t n_rows, Py_ssize_t d_in, Py_ssize_t d_out,
+                  bint embedding=False):
         cdef Py_ssize_t g, m, i
         cdef LayerKernel layer
         cdef cnp.ndarray rows
@@ -540,6 +732,7 @@ cdef class GroupPlan:
         self.n_rows = n_rows
         self.d_in = <int>d_in
         self.d_out = <int>d_out
+        self._embedding = embedding
         # First pass: everything that can run Python code (unpacking,
         # __float__, copies) happens here, into objects only the plan holds.
         # The second pass then checks and points at those private copies, so
@@ -567,6 +760,13 @@ cdef class GroupPlan:
                 raise ValueError(
                     f"group {g}: layer shape (d_in, d_out) = ({layer.d_in}, {layer.d_out}) "
                     f"does not match the call's ({d_in}, {d_out})")
+            if (layer.kind == KIND_EMBEDDING or layer.kind == KIND_SAVED_EMBEDDING) != embedding:
+                raise ValueError(f"group {g}: an {'embedding' if embedding else 'linear'} plan "
+                                 f"cannot hold a layer kernel of kind {layer.kind}")
+            if rs_obj is not None and (layer.pre or layer.kind == KIND_SAVED_LINEAR
+                                       or layer.kind == KIND_SAVED_EMBEDDING):
+                raise ValueError(f"group {g}: a DoRA layer or a saved module takes no per-row "
+                                 f"scales (its rows all use the layer's own)")
             seg = &self._segs[g]
             layer.fill(seg)
             seg.scale = <float>scale
@@ -600,7 +800,36 @@ cdef class GroupPlan:
         kind = check_buffers(input, output, self.n_rows, self.d_in, self.d_out)
         self.run(<cnp.ndarray>input, <cnp.ndarray>output, kind)
 
+    def apply_ids(self, ids, output):
+        """Add every group's embedding delta for the int64 ``ids`` (one per row) in place.
+
+        ``ids`` must be a 1-D native int64 array of ``n_rows`` values, each in
+        ``[0, d_in)``; it is copied before the kernels read it.
+        """
+        check_type(output, "output")
+        check_layout(<cnp.ndarray>output, "output", True)
+        if cnp.PyArray_SIZE(<cnp.ndarray>output) != self.n_rows * self.d_out:
+            raise ValueError(f"output must hold {self.n_rows} rows of {self.d_out}")
+        private = private_vector(ids, cnp.NPY_INT64, np.int64, "ids", "ids", "int64")
+        if len(private) != self.n_rows:
+            raise ValueError(f"ids must hold {self.n_rows} values, got {len(private)}")
+        if self.n_rows and (private.min() < 0 or private.max() >= self.d_in):
+            raise ValueError(f"ids must be in [0, {self.d_in})")
+        self.run_ids(private, <cnp.ndarray>output, check_type(output, "output"))
+
+    cdef int run_ids(self, cnp.ndarray ids, cnp.ndarray y, int kind) except -1:
+        """Run an embedding plan on private int64 ``ids`` checked to lie in ``[0, d_in)``."""
+        if not self._embedding:
+            raise ValueError("this plan is for linear rows: use run")
+        if cnp.PyArray_SIZE(ids) != self.n_rows or cnp.PyArray_SIZE(y) != self.n_rows * self.d_out:
+            raise ValueError(f"this plan is for {self.n_rows} ids and rows of {self.d_out}")
+        if self._ng == 0 or self.n_rows == 0:
+            return 0
+        return run_embedding_segments(self._segs, self._ng, ids, y, self.d_out, kind)
+
     cdef int run(self, cnp.ndarray x, cnp.ndarray y, int kind) except -1:
+        if self._embedding:
+            raise ValueError("this plan is for embedding rows: use run_ids")
         if (cnp.PyArray_SIZE(x) != self.n_rows * self.d_in
                 or cnp.PyArray_SIZE(y) != self.n_rows * self.d_out):
             raise ValueError(f"this plan is for {self.n_rows} rows of ({self.d_in}, {self.d_out}), "

@@ -12,6 +12,8 @@ cdef class KernelSource:
     cdef int _check_widths(self, tuple key, Py_ssize_t d_in, Py_ssize_t d_out) except -1
     cdef int _run(self, tuple key, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n,
                   Py_ssize_t per_unit, Py_ssize_t d_in, Py_ssize_t d_out, int kind) except -1
+    cdef int _run_ids(self, tuple key, cnp.ndarray ids, cnp.ndarray y, Py_ssize_t n,
+                      Py_ssize_t per_unit, Py_ssize_t d_out, int kind) except -1
 
 
 cdef class KernelTable(KernelSource):

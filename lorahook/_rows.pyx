@@ -36,8 +36,10 @@ cimport cython
 cimport numpy as cnp
 from cpython.type cimport PyType_IsSubtype
 
-from lorahook._checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, as_int, check_call
-from lorahook._kernels cimport GroupPlan, LayerKernel, private_vector, run_layer
+from lorahook._checks cimport (ROWS_BF16, ROWS_F16, ROWS_F32, as_int, as_width, check_call,
+                               check_layout, check_type, row_count)
+from lorahook._kernels cimport (KIND_EMBEDDING, KIND_SAVED_EMBEDDING, GroupPlan, LayerKernel,
+                                private_vector, run_layer)
 
 import numpy as np
 
@@ -84,10 +86,35 @@ def _set_hook_base(cls):
     _hook_base = cls
 
 
-cdef int _check_kernel_widths(LayerKernel kernel, tuple key, str label, Py_ssize_t d_in,
-                              Py_ssize_t d_out) except -1:
+cdef inline bint _is_embedding(LayerKernel kernel):
+    return kernel.kind == KIND_EMBEDDING or kernel.kind == KIND_SAVED_EMBEDDING
+
+
+cdef int _check_kernel(LayerKernel kernel, tuple key, str label, Py_ssize_t d_in,
+                       Py_ssize_t d_out, bint embedding=False) except -1:
+    """A layer covering ``key`` fits the call: its kind, its widths, its base weight.
+
+    For an embedding call ``d_in`` is ignored (the ids are checked against
+    the layer's ``num_embeddings`` by the caller).
+    """
+    who = f"adapter {label!r} layer" if label else "adapter layer"
+    if _is_embedding(kernel) != embedding:
+        raise ValueError(
+            f"{who} ({key[0]}, {key[1]!r}) is an "
+            f"{'embedding' if _is_embedding(kernel) else 'linear'} layer: use "
+            f"{'apply_lora_embedding' if _is_embedding(kernel) else 'apply_lora_rows'} for it")
+    if kernel.needs_base:
+        raise ValueError(
+            f"{who} ({key[0]}, {key[1]!r}) is a DoRA layer without its base weight: give it "
+            f"with adapter.with_base(weights), AdapterSet(..., base_weights=...) or "
+            f"lorahook.torch.attach")
+    if embedding:
+        if kernel.d_out != d_out:
+            raise ValueError(
+                f"{who} ({key[0]}, {key[1]!r}) has embedding_dim {kernel.d_out} but the call's "
+                f"output_row_width is {d_out}")
+        return 0
     if kernel.d_in != d_in or kernel.d_out != d_out:
-        who = f"adapter {label!r} layer" if label else "adapter layer"
         raise ValueError(
             f"{who} ({key[0]}, {key[1]!r}) has (d_in, d_out) = ({kernel.d_in}, {kernel.d_out}) "
             f"but the call's row widths are (input_row_width, output_row_width) = "
@@ -124,6 +151,11 @@ cdef class KernelSource:
         """Check the covering layers' widths, then add their deltas to the checked buffers."""
         return 0
 
+    cdef int _run_ids(self, tuple key, cnp.ndarray ids, cnp.ndarray y, Py_ssize_t n,
+                      Py_ssize_t per_unit, Py_ssize_t d_out, int kind) except -1:
+        """The same for an embedding: ``ids`` is a private int64 copy, not yet range-checked."""
+        return 0
+
 
 @cython.auto_pickle(False)
 cdef class KernelTable(KernelSource):
@@ -154,7 +186,7 @@ cdef class KernelTable(KernelSource):
     cdef int _check_widths(self, tuple key, Py_ssize_t d_in, Py_ssize_t d_out) except -1:
         found = self._table.get(key) if self._table is not None else None
         if found is not None:
-            _check_kernel_widths(<LayerKernel>found, key, "", d_in, d_out)
+            _check_kernel(<LayerKernel>found, key, "", d_in, d_out)
         return 0
 
     cdef int _run(self, tuple key, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n,
@@ -162,9 +194,22 @@ cdef class KernelTable(KernelSource):
         found = self._table.get(key) if self._table is not None else None
         if found is None:
             return 0
-        _check_kernel_widths(<LayerKernel>found, key, "", d_in, d_out)
+        _check_kernel(<LayerKernel>found, key, "", d_in, d_out)
         if n:
             run_layer(<LayerKernel>found, x, y, n, kind)
+        return 0
+
+    cdef int _run_ids(self, tuple key, cnp.ndarray ids, cnp.ndarray y, Py_ssize_t n,
+                      Py_ssize_t per_unit, Py_ssize_t d_out, int kind) except -1:
+        found = self._table.get(key) if self._table is not None else None
+        if found is None:
+            return 0
+        kernel = <LayerKernel>found
+        _check_kernel(kernel, key, "", 0, d_out, True)
+        _check_ids(ids, kernel.d_in, key)
+        if n:
+            plan = GroupPlan([(kernel, kernel.scale, None, None)], n, kernel.d_in, d_out, True)
+            (<GroupPlan>plan).run_ids(ids, y, kind)
         return 0
 
 
@@ -264,7 +309,7 @@ cdef class UnitGroups(KernelSource):
 
     cdef int _check_widths(self, tuple key, Py_ssize_t d_in, Py_ssize_t d_out) except -1:
         for label, kernel, _, _, _ in self._groups(key):
-            _check_kernel_widths(<LayerKernel>kernel, key, label, d_in, d_out)
+            _check_kernel(<LayerKernel>kernel, key, label, d_in, d_out)
         return 0
 
     cdef int _run(self, tuple key, cnp.ndarray x, cnp.ndarray y, Py_ssize_t n,
@@ -300,6 +345,123 @@ cdef class UnitGroups(KernelSource):
             per = self._plans.setdefault(per_unit, {})
         (<dict>per)[key] = plan
         return plan.run(x, y, kind)
+
+    cdef int _run_ids(self, tuple key, cnp.ndarray ids, cnp.ndarray y, Py_ssize_t n,
+                      Py_ssize_t per_unit, Py_ssize_t d_out, int kind) except -1:
+        """An embedding call: checked and planned on every call (once per forward)."""
+        groups = self._groups(key)
+        if not groups:
+            return 0
+        cdef Py_ssize_t num_emb = -1
+        for label, kernel, _, _, _ in groups:
+            _check_kernel(<LayerKernel>kernel, key, label, 0, d_out, True)
+            if num_emb < 0 or (<LayerKernel>kernel).d_in < num_emb:
+                num_emb = (<LayerKernel>kernel).d_in
+        _check_ids(ids, num_emb, key)
+        if n == 0:
+            return 0
+        plan = GroupPlan([(kernel, scale, _expand_units(idx, per_unit),
+                           None if scales is None else np.repeat(scales, per_unit))
+                          for _, kernel, scale, idx, scales in groups], n, num_emb, d_out, True)
+        return (<GroupPlan>plan).run_ids(ids, y, kind)
+
+
+cdef tuple _checked_key(object layer_idx, object module):
+    """``(layer_idx, module)`` as the key of a table: an int >= 0 or ``None``, and a str."""
+    if layer_idx is not None and type(layer_idx) is not int:
+        layer_idx = as_int(layer_idx, "layer_idx (an int, or None for a model-level module)")
+    if layer_idx is not None and layer_idx < 0:
+        raise ValueError(f"layer_idx must be >= 0 (or None for a model-level module), "
+                         f"got {layer_idx}")
+    if type(module) is not str:
+        if not isinstance(module, str):
+            raise TypeError(f"module must be a str, got {type(module).__name__}")
+        module = str(module)  # a str subclass (numpy.str_) as the str it holds
+    return (layer_idx, module)
+
+
+cdef int _check_ids(cnp.ndarray ids, Py_ssize_t num_emb, tuple key) except -1:
+    """``ValueError`` unless every id is in ``[0, num_emb)`` (``ids``: a private int64 copy)."""
+    if cnp.PyArray_SIZE(ids) == 0:
+        return 0
+    lo = int((<object>ids).min())
+    hi = int((<object>ids).max())
+    if lo < 0 or hi >= num_emb:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"ids must be in [0, {num_emb}) (num_embeddings of the layer ({key[0]}, {key[1]!r})), "
+            f"got {bad}")
+    return 0
+
+
+cdef object _private_ids(object ids, Py_ssize_t n):
+    """A private int64 copy of a 1-D int32 / int64 ``ids`` array of ``n`` values."""
+    if not cnp.PyArray_Check(ids):
+        raise TypeError(f"ids must be a 1-D numpy.ndarray of int32 or int64, got "
+                        f"{type(ids).__name__}")
+    cdef cnp.ndarray a = <cnp.ndarray>ids
+    cdef int t = cnp.PyArray_TYPE(a)
+    if (t != cnp.NPY_INT32 and t != cnp.NPY_INT64) or not cnp.PyArray_ISNOTSWAPPED(a):
+        raise TypeError(f"ids must have dtype int32 or int64 in native byte order, got "
+                        f"{a.dtype.str} ({a.dtype})")
+    if cnp.PyArray_NDIM(a) != 1:
+        raise ValueError(f"ids must be 1-D, got {cnp.PyArray_NDIM(a)}-D with shape "
+                         f"{(<object>a).shape}")
+    if cnp.PyArray_DIM(a, 0) != n:
+        raise ValueError(f"ids must hold one id per output row: expected {n}, got "
+                         f"{cnp.PyArray_DIM(a, 0)}")
+    return np.array(a, dtype=np.int64, order="C", copy=True)
+
+
+def apply_lora_embedding(hook, layer_idx, module, ids, output, output_row_width=None):
+    """Add ``hook``'s embedding LoRA delta to every row of ``output`` in place.
+
+    ``ids`` (a 1-D int32 or int64 array) holds one token id per row of
+    ``output`` (C-contiguous, float32 / float16 / bfloat16, 1-D with
+    ``output_row_width`` or 2-D): the row of id ``i`` gets
+    ``scale * B @ A[:, i]`` added (PEFT's ``lora_embedding_A`` ``(r,
+    num_embeddings)`` and ``lora_embedding_B`` ``(embedding_dim, r)``), or,
+    for an adapter that saved the embedding whole (``modules_to_save``),
+    becomes that module's row ``i``.  The call is checked first (types,
+    shapes, row counts, a bound hook's row count), then ``is_active``, then
+    the covering layers: an embedding layer each, of the output's width, and
+    every id in ``[0, num_embeddings)`` -- a ``ValueError`` before anything
+    is written.  Runs in the compiled core with the GIL released, for a
+    :class:`~lorahook.LoraAdapter` and a bound batch or sequence selection
+    (rows mixed per adapter); other hooks are a ``TypeError``.
+    """
+    return _apply_ids(hook, layer_idx, module, ids, output, output_row_width, -1)
+
+
+def _apply_lora_embedding_bits(hook, layer_idx, module, ids, output, output_row_width,
+                               bfloat16):
+    """``apply_lora_embedding`` for a uint16 ``output`` of float16 (or bfloat16) bits."""
+    return _apply_ids(hook, layer_idx, module, ids, output, output_row_width,
+                      ROWS_BF16 if bfloat16 else ROWS_F16)
+
+
+cdef object _apply_ids(hook, layer_idx, module, ids, output, output_row_width, int bits):
+    if not isinstance(hook, KernelSource) or (<KernelSource>hook)._dispatch == _PER_ROW:
+        raise TypeError(
+            f"apply_lora_embedding takes a lorahook.LoraAdapter or a bound AdapterSet hook "
+            f"(the compiled core), got {type(hook).__name__}")
+    cdef KernelSource src = <KernelSource>hook
+    cdef int kind = check_type(output, "output", bits)
+    cdef cnp.ndarray y = <cnp.ndarray>output
+    check_layout(y, "output", True)
+    if output_row_width is None:
+        if cnp.PyArray_NDIM(y) != 2:
+            raise TypeError(f"output_row_width is required for a 1-D output (it is taken from "
+                            f"shape[1] of a 2-D array only), got shape {(<object>y).shape}")
+        output_row_width = cnp.PyArray_DIM(y, 1)
+    cdef Py_ssize_t d_out = as_width(output_row_width, "output_row_width")
+    cdef Py_ssize_t n = row_count(y, d_out, "output", "output_row_width")
+    private = _private_ids(ids, n)
+    cdef Py_ssize_t per_unit = src._rows_per_unit(n)
+    layer_idx, module = _checked_key(layer_idx, module)
+    if src._dispatch == _ASK_HOOK and not hook.is_active(layer_idx, module):
+        return
+    src._run_ids((layer_idx, module), <cnp.ndarray>private, y, n, per_unit, d_out, kind)
 
 
 cdef int _apply_each_row(object hook, object layer_idx, object module, cnp.ndarray x,
@@ -380,14 +542,7 @@ cdef object _apply(hook, layer_idx, module, input, output, input_row_width, outp
     cdef Py_ssize_t per_unit = 0
     if src is not None:
         per_unit = src._rows_per_unit(n)
-    if type(layer_idx) is not int:
-        layer_idx = as_int(layer_idx, "layer_idx")
-    if layer_idx < 0:
-        raise ValueError(f"layer_idx must be >= 0, got {layer_idx}")
-    if type(module) is not str:
-        if not isinstance(module, str):
-            raise TypeError(f"module must be a str, got {type(module).__name__}")
-        module = str(module)  # a str subclass (numpy.str_) as the str it holds
+    layer_idx, module = _checked_key(layer_idx, module)
     if dispatch != _KERNELS:
         is_active = getattr(hook, "is_active", None)
         if is_active is not None and not is_active(layer_idx, module):

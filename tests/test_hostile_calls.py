@@ -399,13 +399,22 @@ def test_adjacent_buffers_are_fine():
 
 @pytest.mark.parametrize("hook_name", HOOK_NAMES)
 @pytest.mark.parametrize("layer_idx,module,exc", [
-    ("2", "v_proj", TypeError), (2.0, "v_proj", TypeError), (None, "v_proj", TypeError),
+    ("2", "v_proj", TypeError), (2.0, "v_proj", TypeError),
     (True, "v_proj", TypeError), ((2,), "v_proj", TypeError), (-1, "v_proj", ValueError),
     (2, b"v_proj", TypeError), (2, None, TypeError), (2, 3, TypeError), (2, ["v_proj"], TypeError),
 ])
 def test_bad_layer_idx_and_module(hook_name, layer_idx, module, exc):
     assert_refused(exc, _hooks()[hook_name], good_input(), good_output(), layer_idx=layer_idx,
                    module=module)
+
+
+def test_none_layer_idx_is_a_model_level_key():
+    # layer_idx=None addresses model-level modules (lm_head, embeddings, heads): a valid
+    # key the adapter does not hold, so nothing is written
+    out = good_output()
+    before = out.copy()
+    apply_lora_rows(ADAPTER, None, KEY[1], good_input(), out, D_IN, D_OUT)
+    assert np.array_equal(out, before)
 
 
 def test_numpy_layer_idx_accepted():
