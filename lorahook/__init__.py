@@ -1,6 +1,6 @@
 """lorahook: LoRA adapters applied inside CPU inference, row by row, in place."""
 from ._rows import DEBUG_BUILD
-from .adapter import LoraAdapter, LoraLayer, blend
+from .adapter import LoraAdapter, LoraLayer, SavedModule, blend
 from .errors import LoraCapacityError, LoraFormatError, LoraValidationError
 from .models import (
     BertConfig,
@@ -16,7 +16,7 @@ from .models import (
     Qwen35Config,
     load_model_config,
 )
-from .hook import LoraHook, NoopLoraHook, apply_lora_rows
+from .hook import LoraHook, NoopLoraHook, apply_lora_embedding, apply_lora_rows
 from .serving import AdapterSet, BoundBatch, BoundSequences
 from . import threads
 
@@ -26,6 +26,8 @@ __all__ = [
     "LoraHook",
     "NoopLoraHook",
     "apply_lora_rows",
+    "apply_lora_embedding",
+    "SavedModule",
     "LoraLayer",
     "LoraAdapter",
     "blend",

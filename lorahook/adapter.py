@@ -8,6 +8,7 @@ row widths, then runs the compiled kernel with the GIL released.
 import math
 import numbers
 import sys
+from collections.abc import Mapping
 from types import MappingProxyType
 
 import numpy as np
@@ -16,9 +17,9 @@ from . import _checks, _halfconv, _kernels, _rows, threads
 from .errors import LoraFormatError, LoraValidationError
 from .files import read_peft, read_safetensors_adapter, write_peft
 from .hook import LoraHook
-from .models import BertConfig, ModelGeometry
+from .models import EMBEDDING_MODULES, BertConfig, ModelGeometry
 
-__all__ = ["LoraLayer", "LoraAdapter", "blend"]
+__all__ = ["LoraLayer", "LoraAdapter", "SavedModule", "blend", "key_order"]
 
 _INT_MAX = 2**31 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -124,6 +125,58 @@ def _adoptable(arr, name, ndim, dtype=_FLOAT32):
         raise ValueError(f"{name} dimensions must each be at most {_INT_MAX}, got {arr.shape}")
 
 
+def key_order(key):
+    """Sort key of ``(layer_idx, module)`` keys: layers in order, model-level (``None``) last."""
+    layer_idx, module = key
+    return (layer_idx is None, -1 if layer_idx is None else layer_idx, module)
+
+
+def _owned_vector(value, name, length, where):
+    """A read-only float32 copy of a finite 1-D ``value`` of ``length`` values."""
+    out = _owned_float32(value, f"{where}{name}", 1)
+    if out.shape != (length,):
+        raise ValueError(f"{where}{name} must have shape ({length},), got {out.shape}")
+    return out
+
+
+def _dora_terms(a, bt, scale, magnitude, weight, base_bias, where):
+    """DoRA's per-row factors for one layer, from its base weight.
+
+    ``g = m / ||W + scale * B @ A||`` (each output row's norm over ``d_in``,
+    computed in float64), ``c = (1 - g) * b`` and ``g * B^T`` (the factor the
+    kernels use: ``g * (y - b + delta) + b == g * y + c + scale * (g B)(A x)``).
+    """
+    d_out, d_in = bt.shape[1], a.shape[1]
+    w = np.asarray(weight)
+    if w.dtype.kind not in "fiu" or w.dtype.kind == "b":
+        raise TypeError(f"{where}base weight must hold real numbers, got dtype {w.dtype}")
+    if w.shape != (d_out, d_in):
+        raise ValueError(f"{where}base weight must have shape (d_out, d_in) = {(d_out, d_in)}, "
+                         f"got {w.shape}")
+    a64 = _as_float32(a).astype(np.float64)
+    b64 = _as_float32(bt).astype(np.float64).T
+    full = w.astype(np.float64) + float(np.float32(scale)) * (b64 @ a64)
+    if not np.isfinite(full).all():
+        raise ValueError(f"{where}base weight must hold finite values")
+    norm = np.sqrt(np.einsum("ij,ij->i", full, full))
+    if not (norm > 0).all():
+        raise ValueError(f"{where}the adapted weight has a zero row (output "
+                         f"{int(np.argmin(norm))}): DoRA's norm would divide by zero")
+    g = (magnitude.astype(np.float64) / norm).astype(np.float32)
+    if base_bias is None:
+        c = np.zeros(d_out, dtype=np.float32)
+    else:
+        b = _owned_vector(base_bias, "base bias", d_out, where)
+        c = ((1.0 - g.astype(np.float64)) * b.astype(np.float64)).astype(np.float32)
+    if not (np.isfinite(g).all() and np.isfinite(c).all()):
+        raise ValueError(f"{where}DoRA's norm factor overflows float32")
+    gbt = np.ascontiguousarray(_as_float32(bt) * g[None, :], dtype=np.float32)
+    a32 = _as_float32(a)
+    for arr in (g, c, gbt):
+        arr.flags.writeable = False
+    return g, c, gbt, a32
+
+
 class LoraLayer:
     """One projection's LoRA update: ``delta(x) = scale * (B @ (A @ x) + bias)``.
 
@@ -135,11 +188,25 @@ class LoraLayer:
     read: :attr:`b` is a read-only ``(d_out, rank)`` view of it (F-contiguous),
     so the layer holds each value once (:attr:`nbytes`).  Rank 0 (without
     bias) is allowed and applies nothing.
+
+    ``embedding=True`` makes it PEFT's embedding LoRA (``lora_embedding_A``
+    ``(rank, num_embeddings)`` as ``a``, ``lora_embedding_B``
+    ``(embedding_dim, rank)`` as ``b``), applied with
+    :func:`lorahook.apply_lora_embedding`: row ``i`` gets ``scale * B @
+    A[:, i]``; it has no bias and no DoRA.
+
+    ``magnitude`` (a ``(d_out,)`` vector, PEFT's ``lora_magnitude_vector``)
+    makes it a DoRA layer: with base weight ``W`` and base bias ``b``, each
+    output row ``y`` (the base output, bias included) becomes ``y + (g - 1) *
+    (y - b) + g * scale * B @ (A @ x)`` where ``g = magnitude / ||W + scale
+    * B @ A||`` (per output row).  A DoRA layer needs its base weight once:
+    :meth:`with_base` returns the layer that applies; applying one without
+    it raises ``ValueError`` before anything is written.
     """
 
-    __slots__ = ("_a", "_bt", "_scale", "_bias", "_kernel")
+    __slots__ = ("_a", "_bt", "_scale", "_bias", "_kernel", "_embedding", "_magnitude", "_dora")
 
-    def __init__(self, a, b, scale=1.0, bias=None):
+    def __init__(self, a, b, scale=1.0, bias=None, *, magnitude=None, embedding=False):
         a = _owned_float32(a, "a", 2)
         b = _owned_float32(b, "b", 2, transpose=True)  # stored as B^T
         scale = _finite_scale(scale, "scale")
@@ -147,19 +214,32 @@ class LoraLayer:
         if bias is not None:
             bias = _owned_float32(bias, "bias", 1)
             _check_bias_shape(a, b, bias)
-        self._init(a, b, scale, bias)
+        embedding = bool(embedding)
+        if magnitude is not None:
+            magnitude = _owned_vector(magnitude, "magnitude", b.shape[1], "")
+        _check_variant(bias, magnitude, embedding)
+        self._init(a, b, scale, bias, embedding, magnitude, None)
 
-    def _init(self, a, bt, scale, bias):
+    def _init(self, a, bt, scale, bias, embedding=False, magnitude=None, dora=None):
         object.__setattr__(self, "_a", a)
         object.__setattr__(self, "_bt", bt)
         object.__setattr__(self, "_scale", scale)
         object.__setattr__(self, "_bias", bias)
-        if a.dtype == np.float32:
-            kernel = _kernels.LayerKernel(a, bt, scale, bias)
+        object.__setattr__(self, "_embedding", embedding)
+        object.__setattr__(self, "_magnitude", magnitude)
+        object.__setattr__(self, "_dora", dora)
+        kind = _kernels.EMBEDDING if embedding else _kernels.LORA
+        if dora is not None:  # float32 factors, g folded into B, y = g*y + c first
+            g, c, gbt, a32 = dora
+            kernel = _kernels.LayerKernel(a32, gbt, scale, None, pre_mul=g, pre_add=c)
+        elif a.dtype == np.float32:
+            kernel = _kernels.LayerKernel(a, bt, scale, bias, kind=kind,
+                                          needs_base=magnitude is not None)
         else:  # 16-bit weights: the core takes their bit patterns
             kernel = _kernels.LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale,
                                        None if bias is None else bias.view(np.uint16),
-                                       weights=a.dtype.name)
+                                       weights=a.dtype.name, kind=kind,
+                                       needs_base=magnitude is not None)
         object.__setattr__(self, "_kernel", kernel)
 
     @classmethod
@@ -196,7 +276,55 @@ class LoraLayer:
         raise AttributeError("LoraLayer is immutable")
 
     def __reduce__(self):
-        return (_layer_from_pickle, (self._a, self._bt, self._scale, self._bias))
+        variant = None
+        if self._embedding or self._magnitude is not None:
+            variant = (self._embedding, self._magnitude, self._dora)
+        return (_layer_from_pickle, (self._a, self._bt, self._scale, self._bias, variant))
+
+    def _like(self, a, bt, scale, bias, dora):
+        """A layer of this one's variant (embedding, magnitude) with other arrays."""
+        out = LoraLayer.__new__(LoraLayer)
+        out._init(a, bt, scale, bias, self._embedding, self._magnitude, dora)
+        return out
+
+    def _like_variant(self, embedding, magnitude, dora):
+        """This layer's arrays as another variant (checked by the caller)."""
+        if dora is not None and (dora[2].shape != self._bt.shape or dora[3].shape != self._a.shape
+                                 or magnitude is None):
+            raise ValueError("DoRA terms that do not match the layer's factors")
+        out = LoraLayer.__new__(LoraLayer)
+        out._init(self._a, self._bt, self._scale, self._bias, embedding, magnitude, dora)
+        return out
+
+    # --- variants ------------------------------------------------------------
+
+    is_embedding = property(lambda self: self._embedding,
+                            doc="Whether this is an embedding LoRA (``apply_lora_embedding``).")
+    magnitude = property(lambda self: self._magnitude,
+                         doc="DoRA's ``(d_out,)`` magnitude vector (float32), or ``None``.")
+    is_dora = property(lambda self: self._magnitude is not None, doc="Whether this is a DoRA layer.")
+    has_base = property(lambda self: self._dora is not None,
+                        doc="Whether this DoRA layer has its base weight's terms (:meth:`with_base`).")
+
+    @property
+    def dora_factor(self):
+        """DoRA's per-row factor ``g = magnitude / ||W + scale * B @ A||`` (float32), or ``None``."""
+        return None if self._dora is None else self._dora[0]
+
+    def with_base(self, weight, bias=None):
+        """This DoRA layer with the terms of its base ``weight`` ``(d_out, d_in)`` and ``bias``.
+
+        The norm is computed once, in float64, from ``weight`` (a float array;
+        dequantize a quantized one first) and this layer's factors and scale;
+        the layer then keeps ``g`` and ``(1 - g) * bias`` (``d_out`` values
+        each) and float32 copies of its factors with ``g`` folded into ``B``.
+        ``ValueError`` for a layer that is not DoRA, wrong shapes, non-finite
+        values or a zero row.
+        """
+        if self._magnitude is None:
+            raise ValueError("with_base applies to DoRA layers (with a magnitude vector) only")
+        dora = _dora_terms(self._a, self._bt, self._scale, self._magnitude, weight, bias, "")
+        return self._like(self._a, self._bt, self._scale, self._bias, dora)
 
     a = property(lambda self: self._a, doc="``(rank, d_in)`` float32, read-only.")
     b = property(lambda self: self._bt.T,
@@ -212,7 +340,13 @@ class LoraLayer:
         return self._a.size + self._bt.size + (0 if self._bias is None else self._bias.size)
 
     def _arrays(self):
-        return (self._a, self._bt) if self._bias is None else (self._a, self._bt, self._bias)
+        arrays = [self._a, self._bt]
+        for extra in (self._bias, self._magnitude):
+            if extra is not None:
+                arrays.append(extra)
+        if self._dora is not None:  # g, c, g*B^T, and A when its float32 copy is its own
+            arrays.extend(arr for arr in self._dora if arr is not self._a)
+        return tuple(arrays)
 
     @property
     def nbytes(self):
@@ -220,8 +354,17 @@ class LoraLayer:
         return sum(arr.nbytes for arr in self._arrays())
 
     def with_scale(self, scale):
-        """The same arrays with another scale (no copy)."""
-        return LoraLayer._trusted(self._a, self._bt, _finite_scale(scale, "scale"), self._bias)
+        """The same arrays with another scale (no copy).
+
+        A DoRA layer with its base terms keeps them only for the same scale
+        (its norm depends on the scale): another scale is a ``ValueError``;
+        scale it before :meth:`with_base`.
+        """
+        scale = _finite_scale(scale, "scale")
+        if self._dora is not None and scale != self._scale:
+            raise ValueError("a DoRA layer's base terms depend on its scale: scale the layer "
+                             "before with_base, not after")
+        return self._like(self._a, self._bt, scale, self._bias, self._dora)
 
     @property
     def dtype(self):
@@ -246,7 +389,15 @@ class LoraLayer:
                     arr.flags.writeable = False
         else:
             arrays = [None if arr is None else _rounded(arr, dt) for arr in arrays]
-        return LoraLayer._trusted(*arrays[:2], self._scale, arrays[2])
+        dora = self._dora
+        if dora is not None:  # the base terms stay; the kernel's factors are the rounded ones
+            g, c = dora[0], dora[1]
+            gbt = np.ascontiguousarray(_as_float32(arrays[1]) * g[None, :], dtype=np.float32)
+            a32 = _as_float32(arrays[0])
+            for arr in (gbt, a32):
+                arr.flags.writeable = False
+            dora = (g, c, gbt, a32)
+        return self._like(arrays[0], arrays[1], self._scale, arrays[2], dora)
 
     def delta_weight(self):
         """``scale * B @ A`` as a float32 ``(d_out, d_in)`` array (computed in float32)."""
@@ -255,26 +406,137 @@ class LoraLayer:
         return out
 
     def __repr__(self):
-        bias = ", bias" if self._bias is not None else ""
+        extra = ", bias" if self._bias is not None else ""
+        if self._embedding:
+            extra += ", embedding"
+        if self._magnitude is not None:
+            extra += ", DoRA" + ("" if self._dora is not None else " without base")
         return (f"LoraLayer(rank={self.rank}, d_in={self.d_in}, d_out={self.d_out}, "
-                f"scale={self._scale:g}{bias})")
+                f"scale={self._scale:g}{extra})")
 
 
-def _layer_from_pickle(a, bt, scale, bias):
+def _check_variant(bias, magnitude, embedding):
+    if embedding and bias is not None:
+        raise ValueError("an embedding LoRA layer has no bias (PEFT's Embedding has no lora_bias)")
+    if embedding and magnitude is not None:
+        raise ValueError("DoRA on an embedding layer is not supported")
+    if magnitude is not None and bias is not None:
+        raise ValueError("a DoRA layer with a lora_bias is not supported")
+
+
+def _layer_from_pickle(a, bt, scale, bias, variant=None):
     """An unpickled layer: its arrays kept as they arrive (protocol-5 buffers too), read-only."""
-    for arr in (a, bt, bias):
+    embedding, magnitude, dora = variant if variant is not None else (False, None, None)
+    for arr in (a, bt, bias, magnitude) + tuple(dora or ()):
         if isinstance(arr, np.ndarray) and arr.flags.writeable:
             arr.flags.writeable = False
-    return LoraLayer._adopt(a, bt, scale, bias)
+    layer = LoraLayer._adopt(a, bt, scale, bias)
+    if variant is None:
+        return layer
+    if magnitude is not None:
+        _adoptable(magnitude, "magnitude", 1)
+    if dora is not None:
+        g, c, gbt, a32 = dora
+        for name, arr, nd in (("g", g, 1), ("c", c, 1), ("g*B^T", gbt, 2), ("a", a32, 2)):
+            _adoptable(arr, name, nd)
+    _check_variant(bias, magnitude, embedding)
+    return layer._like_variant(bool(embedding), magnitude, dora)
+
+
+class SavedModule:
+    """A module an adapter saved whole (PEFT's ``modules_to_save``): linear or embedding.
+
+    For the rows of its adapter it replaces the base module's output: a
+    linear gives ``weight @ x + bias`` (``weight`` ``(d_out, d_in)``, ``bias``
+    ``(d_out,)`` or ``None``), an embedding (``embedding=True``, ``weight``
+    ``(num_embeddings, embedding_dim)``) gives ``weight[id]``.  Arrays are
+    copied once into read-only float32 arrays (a linear keeps ``weight^T``,
+    the layout its kernel reads; :attr:`weight` is a view).  ``d_in`` /
+    ``d_out`` are ``(in_features, out_features)`` or ``(num_embeddings,
+    embedding_dim)``, checked against a model like a projection's.
+    """
+
+    __slots__ = ("_wt", "_bias", "_embedding", "_kernel")
+
+    def __init__(self, weight, bias=None, *, embedding=False):
+        embedding = bool(embedding)
+        wt = _owned_float32(weight, "weight", 2, transpose=not embedding)
+        if min(wt.shape) < 1:
+            raise ValueError(f"weight must have both dimensions >= 1, got {np.shape(weight)}")
+        if bias is not None:
+            if embedding:
+                raise ValueError("a saved embedding has no bias")
+            bias = _owned_vector(bias, "bias", wt.shape[1], "")
+        self._init(wt, bias, embedding)
+
+    def _init(self, wt, bias, embedding):
+        object.__setattr__(self, "_wt", wt)
+        object.__setattr__(self, "_bias", bias)
+        object.__setattr__(self, "_embedding", embedding)
+        kind = _kernels.SAVED_EMBEDDING if embedding else _kernels.SAVED_LINEAR
+        object.__setattr__(self, "_kernel",
+                           _kernels.LayerKernel(None, wt, 1.0, kind=kind, pre_add=bias))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("SavedModule is immutable")
+
+    def __reduce__(self):
+        return (_saved_from_pickle, (self._wt, self._bias, self._embedding))
+
+    is_embedding = property(lambda self: self._embedding)
+    weight = property(lambda self: self._wt if self._embedding else self._wt.T,
+                      doc="``(d_out, d_in)`` (linear) or ``(num_embeddings, embedding_dim)``, read-only.")
+    bias = property(lambda self: self._bias, doc="``(d_out,)`` float32 or ``None``.")
+    d_in = property(lambda self: self._wt.shape[0])
+    d_out = property(lambda self: self._wt.shape[1])
+    dtype = property(lambda self: self._wt.dtype)
+    rank = property(lambda self: 0, doc="0: a saved module has no LoRA factors.")
+
+    @property
+    def num_parameters(self):
+        return self._wt.size + (0 if self._bias is None else self._bias.size)
+
+    def _arrays(self):
+        return (self._wt,) if self._bias is None else (self._wt, self._bias)
+
+    @property
+    def nbytes(self):
+        return sum(arr.nbytes for arr in self._arrays())
+
+    def __repr__(self):
+        what = "embedding" if self._embedding else "linear"
+        bias = ", bias" if self._bias is not None else ""
+        return f"SavedModule({what}, d_in={self.d_in}, d_out={self.d_out}{bias})"
+
+
+def _saved_from_pickle(wt, bias, embedding):
+    for arr in (wt, bias):
+        if isinstance(arr, np.ndarray) and arr.flags.writeable:
+            arr.flags.writeable = False
+    _adoptable(wt, "weight", 2)
+    if bias is not None:
+        _adoptable(bias, "bias", 1)
+        if bias.shape != (wt.shape[1],) or embedding:
+            raise ValueError("a saved module's bias must have d_out values (linear modules only)")
+    if min(wt.shape) < 1:
+        raise ValueError("a saved module's weight must have both dimensions >= 1")
+    out = SavedModule.__new__(SavedModule)
+    out._init(wt, bias, bool(embedding))
+    return out
 
 
 def _check_key(key):
-    if type(key) is tuple and len(key) == 2 and type(key[0]) is int and key[0] >= 0 \
+    if type(key) is tuple and len(key) == 2 and (type(key[0]) is int and key[0] >= 0
+                                                 or key[0] is None) \
             and type(key[1]) is str and key[1]:  # the common case
         return key
     if not (isinstance(key, tuple) and len(key) == 2):
         raise TypeError(f"adapter keys must be (layer_idx, module) tuples, got {key!r}")
     layer_idx, module = key
+    if layer_idx is None:  # a model-level module
+        if not isinstance(module, str) or not module:
+            raise TypeError(f"module in key {key!r} must be a non-empty str")
+        return (None, str(module))
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
         raise TypeError(f"layer_idx in key {key!r} must be an int, got {type(layer_idx).__name__}")
     if layer_idx < 0:
@@ -313,9 +575,19 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
     ``module_paths`` optionally records each key's module path in the base
     model (``model.layers.3.self_attn.q_proj``), so that
     :meth:`save_peft` writes an adapter back where it came from.
+
+    Keys are ``(layer_idx, module)`` with ``layer_idx`` an int ``>= 0`` or
+    ``None`` for a model-level module (``lm_head``, ``embed_tokens``,
+    ``word_embeddings``, a classification head ``score`` / ``classifier``).
+    ``saved_modules`` maps keys to :class:`SavedModule` (PEFT's
+    ``modules_to_save``): whole modules that replace the base output for
+    this adapter's rows; a key is a LoRA layer or a saved module, not both.
+    Layers may be DoRA (``magnitude``; see :meth:`with_base`) or embedding
+    LoRA (:func:`lorahook.apply_lora_embedding`).
     """
 
-    __slots__ = ("_layers", "_name", "_metadata", "_module_paths", "_view")
+    __slots__ = ("_layers", "_name", "_metadata", "_module_paths", "_view", "_saved",
+                 "_saved_view")
 
     # How apply_lora_rows runs this class (lorahook._rows): the kernels alone,
     # the class's own is_active first, or its own apply once per row.
@@ -330,7 +602,8 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
         else:
             cls._core_dispatch = _rows.DISPATCH_KERNELS
 
-    def __init__(self, layers, name=None, metadata=None, *, module_paths=None):
+    def __init__(self, layers, name=None, metadata=None, *, module_paths=None,
+                 saved_modules=None):
         checked = {}
         for key, layer in dict(layers).items():
             key = _check_key(key)
@@ -339,12 +612,22 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             if key in checked:
                 raise ValueError(f"duplicate key {key!r}")
             checked[key] = layer
+        saved = {}
+        for key, module in dict(saved_modules or {}).items():
+            key = _check_key(key)
+            if not isinstance(module, SavedModule):
+                raise TypeError(f"saved module for key {key!r} must be a SavedModule, got "
+                                f"{type(module).__name__}")
+            if key in checked or key in saved:
+                raise ValueError(f"key {key!r} is both a LoRA layer and a saved module"
+                                 if key in checked else f"duplicate key {key!r}")
+            saved[key] = module
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         paths = {}
         for key, path in dict(module_paths or {}).items():
             key = _check_key(key)
-            if key not in checked:
+            if key not in checked and key not in saved:
                 raise ValueError(f"module_paths names key {key!r} that the adapter does not hold")
             if not isinstance(path, str):
                 raise TypeError(f"module path for {key!r} must be a str, got {type(path).__name__}")
@@ -352,10 +635,13 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
         threads._look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         # the core's kernel table first (the keys is_active is true for, rank > 0):
         # it refuses a second fill, before this adapter's state is touched
-        self._set_table({key: layer._kernel for key, layer in checked.items() if layer.rank > 0},
-                        type(self)._core_dispatch)
+        table = {key: layer._kernel for key, layer in checked.items() if layer.rank > 0}
+        table.update((key, module._kernel) for key, module in saved.items())
+        self._set_table(table, type(self)._core_dispatch)
         object.__setattr__(self, "_layers", checked)
         object.__setattr__(self, "_view", MappingProxyType(checked))
+        object.__setattr__(self, "_saved", saved)
+        object.__setattr__(self, "_saved_view", MappingProxyType(saved))
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_metadata", _str_mapping(metadata, "metadata"))
         object.__setattr__(self, "_module_paths", MappingProxyType(paths))
@@ -365,16 +651,23 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
 
     def __reduce__(self):
         return (_rebuild_adapter, (type(self), dict(self._layers), self._name,
-                                   dict(self._metadata), dict(self._module_paths)))
+                                   dict(self._metadata), dict(self._module_paths),
+                                   dict(self._saved)))
 
     # --- the hook contract -------------------------------------------------
     # is_active comes from the core: true exactly for the keys held with rank > 0.
 
     def apply(self, layer_idx, module, x, output):
         """Add the delta for one row: ``x`` has ``d_in`` values, ``output`` ``d_out``."""
-        layer = self._layers.get((layer_idx, module))
-        if layer is None or layer.rank == 0:
+        layer = self._layers.get((layer_idx, module)) or self._saved.get((layer_idx, module))
+        if layer is None or (layer.rank == 0 and not isinstance(layer, SavedModule)):
             return
+        if layer.is_embedding:
+            raise ValueError(f"layer ({layer_idx}, {module!r}) is an embedding: use "
+                             f"lorahook.apply_lora_embedding")
+        if getattr(layer, "is_dora", False) and not layer.has_base:
+            raise ValueError(f"adapter layer ({layer_idx}, {module!r}) is a DoRA layer without "
+                             f"its base weight: give it with adapter.with_base(weights)")
         n = _checks.check_rows(x, output, layer.d_in, layer.d_out)
         if n != 1:
             raise ValueError(
@@ -391,9 +684,58 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
     module_paths = property(lambda self: self._module_paths,
                             doc="Read-only mapping key -> module path in the base model (may be empty).")
 
+    saved_modules = property(lambda self: self._saved_view,
+                             doc="Read-only mapping key -> SavedModule (PEFT's modules_to_save).")
+
     def has_adapter(self, layer_idx, module):
-        """Whether the adapter holds a layer for ``(layer_idx, module)``."""
-        return (layer_idx, module) in self._layers
+        """Whether the adapter holds a layer or a saved module for ``(layer_idx, module)``."""
+        return (layer_idx, module) in self._layers or (layer_idx, module) in self._saved
+
+    @property
+    def has_dora(self):
+        """Whether some layer is a DoRA layer."""
+        return any(layer.is_dora for layer in self._layers.values())
+
+    @property
+    def needs_base(self):
+        """The sorted keys of DoRA layers that have no base weight yet (:meth:`with_base`)."""
+        return sorted((k for k, l in self._layers.items() if l.is_dora and not l.has_base),
+                      key=key_order)
+
+    @property
+    def _row_exact(self):
+        """True when a bind may only give this adapter's rows scale 0 or 1 (DoRA, saved modules)."""
+        return bool(self._saved) or self.has_dora
+
+    def with_base(self, weights):
+        """This adapter with every DoRA layer given its base weight (:meth:`LoraLayer.with_base`).
+
+        ``weights`` is a mapping ``(layer_idx, module) -> W`` or ``-> (W, b)``
+        (``W`` the base weight ``(d_out, d_in)``, ``b`` its bias or ``None``),
+        or a callable of ``(layer_idx, module)`` returning the same.  Only DoRA
+        layers ask for theirs (already-based ones are recomputed); a key with
+        no weight (missing, or ``None`` from the callable) is a ``KeyError``
+        naming it, a wrong shape a ``ValueError``.  Nothing changes on
+        failure; ``self`` when the adapter has no DoRA layer.
+        """
+        lookup = _base_lookup(weights)
+        dora = sorted((k for k, l in self._layers.items() if l.is_dora), key=key_order)
+        if not dora:
+            return self
+        layers = dict(self._layers)
+        for key in dora:
+            found = lookup(key)
+            if found is None:
+                raise KeyError(f"no base weight for DoRA layer {key!r}")
+            weight, bias = found if isinstance(found, tuple) else (found, None)
+            layer = layers[key]
+            try:
+                layers[key] = layer._like(layer._a, layer._bt, layer._scale, layer._bias,
+                                          _dora_terms(layer._a, layer._bt, layer._scale,
+                                                      layer._magnitude, weight, bias, ""))
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"DoRA layer {key!r}: {exc}") from None
+        return self._derived(layers)
 
     @property
     def num_adapted_layers(self):
@@ -402,25 +744,32 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
 
     @property
     def num_parameters(self):
-        return sum(layer.num_parameters for layer in self._layers.values())
+        return sum(part.num_parameters for part in self._parts().values())
+
+    def _parts(self):
+        """Every key's layer or saved module."""
+        return {**self._layers, **self._saved}
+
+    def _all_arrays(self):
+        """Every array the adapter keeps (layers, DoRA terms, saved modules)."""
+        for part in self._parts().values():
+            yield from part._arrays()
 
     @property
     def nbytes(self):
-        """Bytes of every array the adapter keeps, each array counted once (an ``int``)."""
-        seen = {}
-        for layer in self._layers.values():
-            for arr in layer._arrays():
-                seen[id(arr)] = arr.nbytes
+        """Bytes of every array the adapter keeps, each array counted once (an ``int``):
+        LoRA factors, biases, DoRA's magnitude and base terms, saved modules."""
+        seen = {id(arr): arr.nbytes for arr in self._all_arrays()}
         return int(sum(seen.values()))
 
     def keys(self):
-        """The keys in sorted ``(layer_idx, module)`` order."""
-        return sorted(self._layers)
+        """The keys of the layers in order: layers ascending, model-level (``None``) last."""
+        return sorted(self._layers, key=key_order)
 
     def validate_modules(self, known):
-        """The sorted keys whose module is not in ``known`` (e.g. typos)."""
+        """The sorted keys (layers and saved modules) whose module is not in ``known``."""
         known = set(known)
-        return [key for key in sorted(self._layers) if key[1] not in known]
+        return [key for key in sorted(self._parts(), key=key_order) if key[1] not in known]
 
     @property
     def dtype(self):
@@ -443,15 +792,24 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
         return self._derived({k: layer.astype(dt) for k, layer in self._layers.items()})
 
     def scaled(self, factor):
-        """The same arrays with every scale multiplied by ``factor``."""
+        """The same arrays with every scale multiplied by ``factor``.
+
+        An adapter with DoRA layers that have their base terms, or with saved
+        modules, is not linear in its scale: ``ValueError`` for a factor other
+        than 1 (scale a DoRA adapter before :meth:`with_base`).
+        """
         factor = _finite_scale(factor, "factor")
+        if factor != 1.0 and self._saved:
+            raise ValueError("an adapter with saved modules (modules_to_save) replaces their "
+                             "output: it cannot be scaled")
         layers = {k: l.with_scale(l.scale * factor) for k, l in self._layers.items()}
         return self._derived(layers)
 
     def _derived(self, layers, name=None):
         return LoraAdapter(layers, name=self._name if name is None else name,
-                           metadata=self._metadata,
-                           module_paths={k: p for k, p in self._module_paths.items() if k in layers})
+                           metadata=self._metadata, saved_modules=self._saved,
+                           module_paths={k: p for k, p in self._module_paths.items()
+                                         if k in layers or k in self._saved})
 
     # --- geometry -----------------------------------------------------------
 
@@ -469,9 +827,20 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             raise TypeError(
                 f"config must be a lorahook.ModelGeometry (Qwen35Config, BertConfig, LlamaConfig, "
                 f"... or lorahook.load_model_config(path)), got {type(config).__name__}")
-        for (layer_idx, module) in sorted(self._layers):
-            layer = self._layers[(layer_idx, module)]
+        parts = self._parts()
+        for (layer_idx, module) in sorted(parts, key=key_order):
+            layer = parts[(layer_idx, module)]
             ours = (layer.d_in, layer.d_out)
+            if layer_idx is not None and (layer.is_embedding or isinstance(layer, SavedModule)):
+                what = "an embedding" if layer.is_embedding else "a saved module"
+                raise LoraValidationError(
+                    f"adapter layer {layer_idx} module {module!r} is {what}: only model-level "
+                    f"modules (layer_idx None) can be")
+            if layer_idx is None and layer.is_embedding != (module in EMBEDDING_MODULES):
+                raise LoraValidationError(
+                    f"adapter module {module!r} (layer_idx None) is "
+                    f"{'an embedding' if layer.is_embedding else 'a linear'} layer, but the "
+                    f"model's {module!r} is {'an embedding' if module in EMBEDDING_MODULES else 'a linear'}")
             try:
                 theirs = tuple(config.projection_shape(layer_idx, module))
             except LoraValidationError as exc:
@@ -493,15 +862,28 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
     @classmethod
     def _from_data(cls, data):
         """The adapter for what a file reader returned (``lorahook.files.AdapterData``)."""
-        layers = {}
+        layers, saved = {}, {}
         for key, item in data.layers.items():
             try:
                 # Checked by the reader as a layer checks its arrays (lorahook.files.LayerData):
                 # kept as they are; the kernel checks the shapes once more.
-                layers[key] = LoraLayer._trusted(item.a, item.b.T, item.scale, item.bias)
+                layer = LoraLayer._trusted(item.a, item.b.T, item.scale, item.bias)
+                if item.magnitude is not None or item.embedding:
+                    _check_variant(item.bias, item.magnitude, item.embedding)
+                    if item.magnitude is not None and item.magnitude.shape != (layer.d_out,):
+                        raise ValueError(f"lora_magnitude_vector must have shape "
+                                         f"({layer.d_out},), got {item.magnitude.shape}")
+                    layer = layer._like_variant(item.embedding, item.magnitude, None)
+                layers[key] = layer
             except (ValueError, TypeError, OverflowError) as exc:
                 raise LoraFormatError(f"{data.source}: module {item.path!r}: {exc}") from None
-        return cls(layers, name=data.name, metadata=data.metadata, module_paths=data.module_paths)
+        for key, item in data.saved.items():
+            try:
+                saved[key] = SavedModule(item.weight, item.bias, embedding=item.embedding)
+            except (ValueError, TypeError, OverflowError) as exc:
+                raise LoraFormatError(f"{data.source}: saved module {item.path!r}: {exc}") from None
+        return cls(layers, name=data.name, metadata=data.metadata, module_paths=data.module_paths,
+                   saved_modules=saved)
 
     @classmethod
     def from_peft(cls, path, dtype=None):
@@ -544,11 +926,12 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
 
         Returns ``[(key, layer, weight, bias_or_None)]`` in sorted key order.
         """
-        missing = [k for k in sorted(self._layers) if k not in weights]
+        _refuse_variants(self, "merge_into / unmerge_from")
+        missing = [k for k in sorted(self._layers, key=key_order) if k not in weights]
         if missing:
             raise KeyError(f"weights has no entry for adapter keys {missing}")
         targets = []
-        for key in sorted(self._layers):
+        for key in sorted(self._layers, key=key_order):
             layer = self._layers[key]
             w = weights[key]
             _check_target(w, f"weights[{key!r}]", (layer.d_out, layer.d_in))
@@ -607,6 +990,17 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
         return f"LoraAdapter({name}{len(self._layers)} layers, {self.num_parameters} parameters)"
 
 
+def _refuse_variants(adapter, what):
+    """``ValueError`` for an adapter holding anything but plain linear LoRA layers."""
+    for key in sorted(adapter._parts(), key=key_order):
+        part = adapter._parts()[key]
+        kind = ("a saved module (modules_to_save)" if isinstance(part, SavedModule)
+                else "an embedding LoRA layer" if part.is_embedding
+                else "a DoRA layer" if part.is_dora else None)
+        if kind is not None:
+            raise ValueError(f"{what} takes plain LoRA layers; key {key!r} is {kind}")
+
+
 def _check_target(arr, what, shape):
     if not isinstance(arr, np.ndarray) or arr.dtype != np.float32:
         raise TypeError(f"{what} must be a float32 ndarray, got "
@@ -640,10 +1034,21 @@ def _refuse_aliases(named):
         reach = hi if reach is None else max(reach, hi)
 
 
-def _rebuild_adapter(cls, layers, name, metadata, module_paths):
+def _rebuild_adapter(cls, layers, name, metadata, module_paths, saved_modules=None):
     obj = cls.__new__(cls)
-    LoraAdapter.__init__(obj, layers, name=name, metadata=metadata, module_paths=module_paths)
+    LoraAdapter.__init__(obj, layers, name=name, metadata=metadata, module_paths=module_paths,
+                         saved_modules=saved_modules)
     return obj
+
+
+def _base_lookup(weights):
+    """``key -> W | (W, b) | None`` from a mapping or a callable (``with_base``)."""
+    if callable(weights) and not isinstance(weights, Mapping):
+        return weights
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"base weights must be a mapping (layer_idx, module) -> W or (W, b), or a "
+                        f"callable of (layer_idx, module), got {type(weights).__name__}")
+    return lambda key: weights.get(key)
 
 
 def blend(weighted):
@@ -666,11 +1071,12 @@ def blend(weighted):
             raise TypeError(f"blend item {i} must be an (adapter, weight) pair, got {item!r}") from None
         if not isinstance(adapter, LoraAdapter):
             raise TypeError(f"blend item {i}: expected a LoraAdapter, got {type(adapter).__name__}")
+        _refuse_variants(adapter, f"blend (item {i})")
         weight = _finite_scale(weight, f"weight of blend item {i}")
         for key, layer in adapter.layers.items():
             parts.setdefault(key, []).append((i, layer, weight))
     layers, paths = {}, {}
-    for key in sorted(parts):
+    for key in sorted(parts, key=key_order):
         entries = parts[key]
         shapes = {(l.d_in, l.d_out) for _, l, _ in entries}
         if len(shapes) > 1:

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 
 from . import _rows
 
-__all__ = ["LoraHook", "NoopLoraHook", "apply_lora_rows"]
+__all__ = ["LoraHook", "NoopLoraHook", "apply_lora_rows", "apply_lora_embedding"]
 
 
 class LoraHook(ABC):
@@ -75,3 +75,4 @@ class NoopLoraHook(LoraHook):
 _rows._set_hook_base(LoraHook)
 
 apply_lora_rows = _rows.apply_lora_rows
+apply_lora_embedding = _rows.apply_lora_embedding

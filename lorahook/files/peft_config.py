@@ -1,7 +1,7 @@
 """``adapter_config.json``: which PEFT options lorahook can apply exactly, and the scales.
 
-Options that change the forward pass in a way an additive per-row update cannot
-reproduce (DoRA, aLoRA, layer replication, trainable tokens, target parameters,
+DoRA (``use_dora``) and ``modules_to_save`` are read (see ``lorahook.files.reader``).
+Options that change the forward pass in a way lorahook cannot reproduce (aLoRA, layer replication, trainable tokens, target parameters,
 ``bias != "none"``, LoRA variants, base-weight-modifying initialisations such as PiSSA) are
 refused with :class:`~lorahook.LoraFormatError` naming the option; unknown options set to
 anything but an empty value produce a warning naming them.
@@ -33,7 +33,6 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # Options that change the forward pass in ways an additive per-row update cannot reproduce.
 _REFUSED_OPTIONS = {
-    "use_dora": "DoRA (use_dora) rescales the adapted weight by a learned magnitude vector",
     "alora_invocation_tokens": "aLoRA (alora_invocation_tokens) activates the adapter only after invocation tokens",
     "layer_replication": "layer_replication builds a different stack of layers",
     "trainable_token_indices": "trainable_token_indices changes embedding rows",
@@ -43,7 +42,6 @@ _REFUSED_OPTIONS = {
     "kasa_config": "KaSA (kasa_config) inserts a learned diagonal and truncates the base weight",
     "arrow_config": "Arrow (arrow_config) routes between several adapters per token",
     "monteclora_config": "MonteCLoRA (monteclora_config) samples the adapter weights",
-    "modules_to_save": "modules_to_save stores full replacement modules",
     "enable_lora": "enable_lora (merged QKV LoRA from early PEFT) splits the update per output block",
 }
 
@@ -58,6 +56,7 @@ _KNOWN_OPTIONS = {
     "layers_pattern", "rank_pattern", "alpha_pattern", "megatron_config", "megatron_core",
     "loftq_config", "eva_config", "corda_config", "lora_ga_config", "qalora_group_size",
     "runtime_config", "lora_bias", "ensure_weight_tying", "velora_config", "merge_weights",
+    "use_dora", "modules_to_save",
 }
 
 
@@ -162,6 +161,12 @@ class PeftLoraConfig:
         self.lora_alpha = finite_number(raw.get("lora_alpha", 8), "lora_alpha", where)
         self.use_rslora = bool(raw.get("use_rslora", False))
         self.lora_bias = bool(raw.get("lora_bias", False))
+        self.use_dora = bool(raw.get("use_dora", False))
+        if self.use_dora and self.lora_bias:
+            raise LoraFormatError(f"{where}: use_dora with lora_bias is not supported")
+        self.modules_to_save = self._strings(raw, "modules_to_save")
+        if isinstance(self.modules_to_save, str):
+            self.modules_to_save = [self.modules_to_save]
         self.rank_pattern = self._pattern(raw, "rank_pattern", integer=True)
         self.alpha_pattern = self._pattern(raw, "alpha_pattern", integer=False)
 

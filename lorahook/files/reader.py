@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -26,7 +27,7 @@ from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 import numpy as np
 
 from ..errors import LoraFormatError
-from ..models import PEFT_PREFIX, module_key
+from ..models import EMBEDDING_MODULES, PEFT_PREFIX, module_key, place
 from .peft_config import CONFIG_NAME, PeftLoraConfig, check_scale, finite_number
 from .safetensors import SafetensorsFile, kept_derived, short
 
@@ -52,6 +53,18 @@ class LayerData(NamedTuple):
     scale: float
     bias: Optional[np.ndarray]
     path: str
+    magnitude: Optional[np.ndarray] = None   # DoRA's lora_magnitude_vector, (d_out,)
+    embedding: bool = False                  # lora_embedding_A / lora_embedding_B
+
+
+class SavedData(NamedTuple):
+    """A module saved whole (``modules_to_save``): ``weight`` as in the file (a linear's
+    ``(d_out, d_in)`` or an embedding's ``(num_embeddings, embedding_dim)``), ``bias`` or ``None``."""
+
+    weight: np.ndarray
+    bias: Optional[np.ndarray]
+    embedding: bool
+    path: str
 
 
 @dataclass
@@ -63,25 +76,36 @@ class AdapterData:
     name: Optional[str]
     metadata: Dict[str, str] = field(default_factory=dict)
     source: str = ""
+    saved: Dict[Tuple[int, str], SavedData] = field(default_factory=dict)
 
     @property
     def module_paths(self) -> Dict[Tuple[int, str], str]:
-        return {key: layer.path for key, layer in self.layers.items()}
+        out = {key: layer.path for key, layer in self.layers.items()}
+        out.update((key, item.path) for key, item in self.saved.items())
+        return out
 
 
 # --------------------------------------------------------------------------- tensor names
 
 _FACTOR_RE = re.compile(r"^(?P<path>.+?)\.(?P<kind>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$")
+# embedding factors and DoRA magnitudes: no ".weight" (PEFT keeps them as parameters)
+_VECTOR_RE = re.compile(r"^(?P<path>.+?)\.(?P<kind>lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+                        r"(?:\.(?P<adapter>[^.]+))?$")
+_SAVED_RE = re.compile(r"^(?P<path>.+?)(?:\.modules_to_save\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$")
+_SLOTS = {("lora_A", "weight"): "A", ("lora_B", "weight"): "B", ("lora_B", "bias"): "bias",
+          ("lora_embedding_A", None): "A", ("lora_embedding_B", None): "B",
+          ("lora_magnitude_vector", None): "M"}
+
+
+def _saved_target(path: str, modules_to_save) -> bool:
+    """PEFT's rule for ``modules_to_save``: the path is an entry or ends with ``.`` + an entry."""
+    return any(path == m or path.endswith("." + m) for m in modules_to_save or ())
 
 
 def _classify_non_factor(name: str) -> str:
     parts = name.split(".")
-    if "lora_magnitude_vector" in parts:
-        return "a DoRA magnitude vector (DoRA is not supported)"
-    if "lora_embedding_A" in parts or "lora_embedding_B" in parts:
-        return "an embedding LoRA factor (embedding LoRA is not supported)"
     if "modules_to_save" in parts or "original_module" in parts:
-        return "a full-weight modules_to_save tensor (not supported)"
+        return "a full-weight modules_to_save tensor of a module the config's modules_to_save does not list"
     if any(p.startswith("trainable_tokens") for p in parts):
         return "a trainable-tokens tensor (not supported)"
     if "lora_diag" in parts:
@@ -94,19 +118,40 @@ def _classify_non_factor(name: str) -> str:
 
 
 def _parse_tensors(
-    file_tensors: Mapping[str, dict], where: str, ignore_velora: bool
+    file_tensors: Mapping[str, dict], where: str, ignore_velora: bool, modules_to_save=None
 ) -> Dict[Tuple[int, str], dict]:
-    """Group tensor names into per-projection entries ``{key: {"path", "A", "B", "bias"}}``."""
+    """Group tensor names into per-projection entries ``{key: {"path", "A", "B", "bias", "M"}}``
+    (``"embedding": True`` for embedding factors); modules saved whole go under
+    ``{("saved", key): {"path", "weight", "bias"}}``."""
     entries: Dict[Tuple[int, str], dict] = {}
     keys: Dict[str, Tuple[int, str]] = {}  # lora_A and lora_B of a module share its path
     match = _FACTOR_RE.match
     for name in sorted(file_tensors):
         m = match(name)
+        if m is not None:
+            path, kind, adapter_name, param = m.groups()
+        else:
+            m = _VECTOR_RE.match(name)
+            if m is not None:
+                path, kind, adapter_name = m.groups()
+                param = None
         if m is None:
             if ignore_velora and "lora_velora_embed" in name.split("."):
                 continue
+            saved = _SAVED_RE.match(name)
+            spath = saved and saved.group("path")
+            if spath and spath.startswith(PEFT_PREFIX):
+                spath = spath[len(PEFT_PREFIX):]
+            if saved and _saved_target(spath, modules_to_save):
+                _add_saved(entries, spath, saved.group("param"), name, where)
+                continue
+            if (saved and spath.endswith(".base_layer") and saved.group("param") == "weight"
+                    and place(spath[: -len(".base_layer")]) is not None
+                    and place(spath[: -len(".base_layer")])[1] in EMBEDDING_MODULES):
+                # PEFT saves the base embedding beside embedding LoRA (save_embedding_layers)
+                entries.setdefault(("ignored",), []).append(name)
+                continue
             raise LoraFormatError(f"{where}: tensor {name!r} is {_classify_non_factor(name)}")
-        path, kind, adapter_name, param = m.groups()
         if path.startswith(PEFT_PREFIX):
             path = path[len(PEFT_PREFIX):]
         if kind == "lora_A" and param == "bias":
@@ -119,14 +164,19 @@ def _parse_tensors(
                 raise LoraFormatError(f"{where}: tensor {name!r}: {exc}") from None
         entry = entries.get(key)
         if entry is None:
-            entry = entries[key] = {"path": path, "adapter": adapter_name}
+            entry = entries[key] = {"path": path, "adapter": adapter_name,
+                                    "embedding": kind.startswith("lora_embedding")}
+        elif kind != "lora_magnitude_vector" and entry["embedding"] != kind.startswith("lora_embedding"):
+            raise LoraFormatError(
+                f"{where}: module {path!r} has both linear (lora_A / lora_B) and embedding "
+                f"(lora_embedding_A / lora_embedding_B) factors")
         elif entry["path"] != path or entry["adapter"] != adapter_name:
             first = entry["path"] + (f" (adapter {entry['adapter']!r})" if entry["adapter"] else "")
             second = path + (f" (adapter {adapter_name!r})" if adapter_name else "")
             raise LoraFormatError(
                 f"{where}: duplicate weights for layer {key[0]} module {key[1]!r}: {first} and {second}"
             )
-        slot = "bias" if param == "bias" else "A" if kind == "lora_A" else "B"
+        slot = _SLOTS[(kind, param)]
         if slot in entry:  # the same tensor under two names (with and without the PEFT prefix)
             raise LoraFormatError(
                 f"{where}: duplicate weights for layer {key[0]} module {key[1]!r}: tensors "
@@ -134,24 +184,79 @@ def _parse_tensors(
             )
         entry[slot] = name
     for key, entry in entries.items():
-        for have, need in (("A", "B"), ("B", "A"), ("bias", "B")):
+        if key[0] in ("saved", "ignored"):
+            continue
+        for have, need in (("A", "B"), ("B", "A"), ("bias", "B"), ("M", "A")):
             if have in entry and need not in entry:
-                missing = "lora_A.weight" if need == "A" else "lora_B.weight"
+                missing = (("lora_embedding_A" if need == "A" else "lora_embedding_B")
+                           if entry["embedding"] else
+                           "lora_A.weight" if need == "A" else "lora_B.weight")
                 raise LoraFormatError(
                     f"{where}: tensor {entry[have]!r} has no matching {missing} for module {entry['path']!r}"
                 )
     return entries
 
 
-def _entries(file_tensors: Mapping[str, dict], where: str, ignore_velora: bool):
+def _add_saved(entries: dict, path: str, param: str, name: str, where: str) -> None:
+    """Record a ``modules_to_save`` tensor (``weight`` / ``bias`` of a module saved whole)."""
+    try:
+        key = module_key(path)
+    except LoraFormatError as exc:
+        raise LoraFormatError(f"{where}: tensor {name!r} of modules_to_save: {exc}") from None
+    entry = entries.setdefault(("saved", key), {"path": path})
+    if entry["path"] != path or param in entry:
+        raise LoraFormatError(f"{where}: duplicate modules_to_save tensors for {key}: {name!r}")
+    entry[param] = name
+
+
+def _entries(file_tensors: Mapping[str, dict], where: str, ignore_velora: bool, modules_to_save=None):
     """:func:`_parse_tensors`, read-only, kept with a kept layout (a refusal is not kept)."""
-    return kept_derived(file_tensors, ("entries", ignore_velora), lambda: MappingProxyType(
-        {key: MappingProxyType(entry) for key, entry in _parse_tensors(file_tensors, where, ignore_velora).items()}))
+    saved = tuple(modules_to_save or ())
+    return kept_derived(file_tensors, ("entries", ignore_velora, saved), lambda: MappingProxyType(
+        {key: (MappingProxyType(entry) if isinstance(entry, dict) else tuple(entry))
+         for key, entry in _parse_tensors(file_tensors, where, ignore_velora, saved).items()}))
+
+
+def _split(entries):
+    """``(LoRA entries, saved entries by key, ignored tensor names)`` of :func:`_entries`."""
+    lora, saved, ignored = {}, {}, ()
+    for key, entry in entries.items():
+        if key[0] == "saved":
+            saved[key[1]] = entry
+        elif key[0] == "ignored":
+            ignored = entry
+        else:
+            lora[key] = entry
+    return lora, saved, ignored
+
+
+def _check_saved(file_tensors: Mapping[str, dict], key, entry, where: str) -> None:
+    """A ``modules_to_save`` module must be a linear (2-D weight, optional bias) or an embedding."""
+    if "weight" not in entry:
+        raise LoraFormatError(f"{where}: modules_to_save module {entry['path']!r} has no weight tensor")
+    shape = file_tensors[entry["weight"]]["shape"]
+    embedding = key[1] in EMBEDDING_MODULES
+    if len(shape) != 2 or min(shape) < 1:
+        raise LoraFormatError(
+            f"{where}: modules_to_save module {entry['path']!r} has a weight of shape {shape}: only "
+            f"linear and embedding modules (2-D weights) can be saved whole, not a norm, a "
+            f"convolution or another kind of module")
+    if "bias" in entry:
+        if embedding:
+            raise LoraFormatError(f"{where}: modules_to_save embedding {entry['path']!r} has a bias tensor")
+        if file_tensors[entry["bias"]]["shape"] != (shape[0],):
+            raise LoraFormatError(
+                f"{where}: tensor {entry['bias']!r} has shape {file_tensors[entry['bias']]['shape']}, "
+                f"expected ({shape[0]},)")
 
 
 def _check_factor_shapes(file_tensors: Mapping[str, dict], entry: dict, where: str) -> int:
     a_shape = file_tensors[entry["A"]]["shape"]
     b_shape = file_tensors[entry["B"]]["shape"]
+    if len(a_shape) in (3, 4, 5) and not entry.get("embedding"):
+        raise LoraFormatError(
+            f"{where}: tensor {entry['A']!r} is {len(a_shape)}-D {a_shape}: LoRA on a convolution "
+            f"is not supported (lorahook adapts linear and embedding modules)")
     if len(b_shape) == 3:
         raise LoraFormatError(
             f"{where}: tensor {entry['B']!r} is 3-D {b_shape}: legacy merged-QKV lora_B is not supported"
@@ -175,6 +280,12 @@ def _check_factor_shapes(file_tensors: Mapping[str, dict], entry: dict, where: s
             raise LoraFormatError(
                 f"{where}: tensor {entry['bias']!r} has shape {bias_shape}, expected ({b_shape[0]},)"
             )
+    if "M" in entry:
+        m_shape = file_tensors[entry["M"]]["shape"]
+        if m_shape != (b_shape[0],):
+            raise LoraFormatError(
+                f"{where}: tensor {entry['M']!r} has shape {m_shape}, expected ({b_shape[0]},): "
+                f"one magnitude per output of module {entry['path']!r}")
     return a_shape[0]
 
 
@@ -192,24 +303,43 @@ def _collect(
     transposed on the way (the ``B^T`` layout the kernels use), and refused if it is not finite.
     """
     weights_path = weights.path
-    if not entries:
+    entries, saved, _ = _split(entries)
+    if not entries and not saved:
         raise LoraFormatError(f"{weights_path}: holds no LoRA weights")
-    wanted = [n for e in entries.values() for n in (e["A"], e["B"], e.get("bias")) if n is not None]
+    wanted = [n for e in entries.values() for n in (e["A"], e["B"], e.get("bias"), e.get("M"))
+              if n is not None]
+    wanted += [n for e in saved.values() for n in (e["weight"], e.get("bias")) if n is not None]
     arrays, _ = weights.read_float32(wanted, transposed=[e["B"] for e in entries.values()],
                                      finite=True)
     layers = {}
-    for key in sorted(entries):
+    for key in entries:
         e = entries[key]
         bias = arrays[e["bias"]] if "bias" in e else None
-        layers[key] = LayerData(arrays[e["A"]], arrays[e["B"]].T, scales[key], bias, e["path"])
-    return AdapterData(layers, name=name, metadata=metadata, source=str(weights_path))
+        layers[key] = LayerData(arrays[e["A"]], arrays[e["B"]].T, scales[key], bias, e["path"],
+                                arrays[e["M"]] if "M" in e else None, bool(e["embedding"]))
+    kept = {key: SavedData(arrays[e["weight"]], arrays[e["bias"]] if "bias" in e else None,
+                           key[1] in EMBEDDING_MODULES, e["path"]) for key, e in saved.items()}
+    return AdapterData(layers, name=name, metadata=metadata, source=str(weights_path), saved=kept)
 
 
 def _checked_scales(file_tensors, entries, config: PeftLoraConfig, where: str) -> Dict[Tuple[int, str], float]:
     """Each entry's scale, once its shapes, rank and bias agree with the config (else raises)."""
     scales = {}
+    entries, saved, _ = _split(entries)
+    for key, entry in saved.items():
+        _check_saved(file_tensors, key, entry, where)
     for key, entry in entries.items():
         rank = _check_factor_shapes(file_tensors, entry, where)
+        if entry["embedding"] and config.use_dora:
+            raise LoraFormatError(
+                f"{where}: module {entry['path']!r}: DoRA on an embedding (use_dora with "
+                f"lora_embedding_A / lora_embedding_B) is not supported")
+        if config.use_dora != ("M" in entry):
+            raise LoraFormatError(
+                f"{where}: module {entry['path']!r} " + (
+                    "has no lora_magnitude_vector but the config has use_dora=true"
+                    if config.use_dora else
+                    f"has a lora_magnitude_vector ({entry['M']!r}) but the config has use_dora=false"))
         reason = config.targets(entry["path"], key[0])
         if reason is not None:
             raise LoraFormatError(
@@ -286,7 +416,14 @@ def read_peft(path: os.PathLike) -> AdapterData:
         header = weights.header
         file_tensors, file_meta = header[:2]
         where = str(weights_path)
-        entries = _entries(file_tensors, where, config.velora)
+        entries = _entries(file_tensors, where, config.velora, config.modules_to_save)
+        ignored = _split(entries)[2]
+        if ignored:
+            warnings.warn(
+                f"{where}: the base embedding weight PEFT saved beside the embedding LoRA "
+                f"({', '.join(ignored)}) is not applied: lorahook adds the LoRA to the model's own "
+                f"embedding (a model whose vocabulary was resized must be resized and loaded "
+                f"with that weight itself)", UserWarning, stacklevel=3)
         def checked_scales():
             return MappingProxyType(_checked_scales(file_tensors, entries, config, where))
 

@@ -6,7 +6,7 @@ type they share; ``paths`` the path-rule mechanism; ``lookup`` the choice by
 ``model_type`` and the union of the path rules; ``measured`` a geometry read from real
 layers (what ``lorahook.torch.geometry_of`` returns).
 """
-from .base import ModelGeometry, read_json_config
+from .base import EMBEDDING_MODULES, ModelGeometry, read_json_config
 from .bert import BERT_MODULES, BERT_PATHS, BertConfig
 from .decoders import (
     DECODER_MODULES,
@@ -46,6 +46,7 @@ from .qwen35 import (
 )
 
 __all__ = [
+    "EMBEDDING_MODULES",
     "ModelGeometry", "MeasuredGeometry", "read_json_config",
     "Qwen35Config", "BertConfig", "LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config",
     "GemmaConfig", "Gemma2Config", "Gemma3TextConfig", "Phi3Config",

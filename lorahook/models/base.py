@@ -19,7 +19,10 @@ from typing import Any, Tuple
 
 from ..errors import LoraValidationError
 
-__all__ = ["ModelGeometry", "read_json_config"]
+__all__ = ["ModelGeometry", "read_json_config", "EMBEDDING_MODULES", "model_level_fields"]
+
+#: Model-level modules (``layer_idx=None``) that are embeddings, not linears.
+EMBEDDING_MODULES = frozenset({"embed_tokens", "word_embeddings"})
 
 
 class ModelGeometry(abc.ABC):
@@ -43,6 +46,29 @@ class ModelGeometry(abc.ABC):
     @abc.abstractmethod
     def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
         """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx``."""
+
+    # --- model-level modules (layer_idx None): lm_head, embeddings, a classification head
+
+    def _model_shapes(self) -> Mapping:
+        """``module -> (d_in, d_out)`` of the model-level modules, or a str saying what is missing."""
+        return {}
+
+    def _model_modules(self) -> Tuple[str, ...]:
+        return tuple(self._model_shapes())
+
+    def _model_shape(self, module: Any) -> Tuple[int, int]:
+        """``projection_shape(None, module)``: embeddings are ``(num_embeddings, embedding_dim)``."""
+        where = type(self).__name__
+        module = check_module_type(module, None, where)
+        shapes = self._model_shapes()
+        shape = shapes.get(module)
+        if shape is None:
+            raise LoraValidationError(
+                f"{where}: model-level module {module!r} (layer_idx None): unknown; the model-level "
+                f"modules are {', '.join(shapes) or 'none'}")
+        if isinstance(shape, str):
+            raise LoraValidationError(f"{where}: model-level module {module!r}: {shape}")
+        return shape
 
     def modules_for_layer(self, layer_idx: int) -> Tuple[str, ...]:
         """:meth:`modules` under the name earlier versions used."""
@@ -106,6 +132,40 @@ def required_positive_int(values: Mapping, name: str, prefix: str, where: str) -
             f"model sizes"
         )
     return positive_int(value, prefix + name, where)
+
+
+def model_level_fields(values: Mapping, prefix: str, where: str) -> dict:
+    """``vocab_size`` (``None`` when absent) and ``num_labels`` from a ``config.json``.
+
+    ``num_labels`` is the field of that name, else the length of ``id2label``, else 2:
+    transformers' own default, which it leaves out of the files it writes.
+    """
+    vocab = values.get("vocab_size")
+    labels = values.get("num_labels")
+    if labels is None and isinstance(values.get("id2label"), Mapping):
+        labels = len(values["id2label"]) or None
+    return {
+        "vocab_size": None if vocab is None else positive_int(vocab, prefix + "vocab_size", where),
+        "num_labels": 2 if labels is None else positive_int(labels, prefix + "num_labels", where),
+    }
+
+
+def check_model_level(obj: Any, where: str) -> None:
+    """Check a config's optional ``vocab_size`` / ``num_labels`` (``None`` or a positive int)."""
+    for name in ("vocab_size", "num_labels"):
+        value = getattr(obj, name)
+        if value is not None:
+            object.__setattr__(obj, name, positive_int(value, name, where))
+
+
+def decoder_model_shapes(hidden: int, vocab: Any, labels: Any) -> dict:
+    """A decoder's model-level modules: ``lm_head``, ``embed_tokens``, the ``score`` head."""
+    no_vocab = "the config has no vocab_size"
+    return {
+        "lm_head": no_vocab if vocab is None else (hidden, vocab),
+        "embed_tokens": no_vocab if vocab is None else (vocab, hidden),
+        "score": "the config has no num_labels" if labels is None else (hidden, labels),
+    }
 
 
 def check_bool(value: Any, field: str, where: str) -> bool:

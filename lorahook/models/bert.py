@@ -11,14 +11,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from ..errors import LoraValidationError
 from .base import (
     ModelGeometry,
     check_layer_index,
     check_mapping,
+    check_model_level,
     check_module_type,
+    model_level_fields,
     describe_value,
     positive_int,
     read_json_config,
@@ -42,8 +44,10 @@ BERT_MODULES: Tuple[str, ...] = (
 #: as ``bert`` (``BertForSequenceClassification`` ...: ``bert.encoder.layer.N``).
 BERT_PATHS = PathRules(
     family="BERT",
-    layouts={"bert": "encoder.layer"},
-    read_roots=("bert.encoder.layer",),
+    layouts={"bert": "encoder.layer", "bert_classifier": "bert.encoder.layer"},
+    model={"word_embeddings": {"bert": "embeddings.word_embeddings",
+                               "bert_classifier": "bert.embeddings.word_embeddings"},
+           "classifier": {"bert_classifier": "classifier"}},
     modules={
         "query": "attention.self.query",
         "key": "attention.self.key",
@@ -67,8 +71,12 @@ class BertConfig(ModelGeometry):
     num_hidden_layers: int
     hidden_size: int
     intermediate_size: int
+    #: model-level sizes (``word_embeddings``, the ``classifier`` head): ``None`` when unknown
+    vocab_size: Optional[int] = None
+    num_labels: Optional[int] = None
 
     def __post_init__(self) -> None:
+        check_model_level(self, "BertConfig")
         for name in ("num_hidden_layers", "hidden_size", "intermediate_size"):
             object.__setattr__(self, name, positive_int(getattr(self, name), name, "BertConfig"))
 
@@ -90,7 +98,8 @@ class BertConfig(ModelGeometry):
             **{
                 name: required_positive_int(config, name, "", where)
                 for name in ("num_hidden_layers", "hidden_size", "intermediate_size")
-            }
+            },
+            **model_level_fields(config, "", where),
         )
 
     @classmethod
@@ -105,6 +114,8 @@ class BertConfig(ModelGeometry):
             "num_hidden_layers": self.num_hidden_layers,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
+            **({} if self.vocab_size is None else {"vocab_size": self.vocab_size}),
+            **({} if self.num_labels is None else {"num_labels": self.num_labels}),
         }
 
     @property
@@ -118,9 +129,19 @@ class BertConfig(ModelGeometry):
         return self.num_hidden_layers
 
     def modules(self, layer_idx: int) -> Tuple[str, ...]:
-        """The module names addressable on layer ``layer_idx`` (the same on every layer)."""
+        """The module names addressable on layer ``layer_idx`` (the same on every layer);
+        for ``None`` the model-level modules (``word_embeddings``, ``classifier``)."""
+        if layer_idx is None:
+            return self._model_modules()
         check_layer_index(layer_idx, self.num_hidden_layers, None, "BertConfig")
         return BERT_MODULES
+
+    def _model_shapes(self) -> dict:
+        H, V, L = self.hidden_size, self.vocab_size, self.num_labels
+        return {
+            "word_embeddings": "the config has no vocab_size" if V is None else (V, H),
+            "classifier": "the config has no num_labels" if L is None else (H, L),
+        }
 
 
     def describe(self) -> str:
@@ -133,6 +154,8 @@ class BertConfig(ModelGeometry):
         Raises :class:`~lorahook.LoraValidationError` for a layer index out of range or
         an unknown module; ``TypeError`` for arguments of the wrong type.
         """
+        if layer_idx is None:
+            return self._model_shape(module)
         where = "BertConfig"
         module = check_module_type(module, layer_idx, where)
         layer_idx = check_layer_index(layer_idx, self.num_hidden_layers, module, where)

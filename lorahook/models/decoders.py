@@ -48,12 +48,15 @@ from .base import (
     check_layer_index,
     check_module_type,
     check_mapping,
+    check_model_level,
+    decoder_model_shapes,
     describe_value,
+    model_level_fields,
     positive_int,
     read_json_config,
     required_positive_int,
 )
-from .paths import PathRules
+from .paths import PathRules, decoder_model_paths
 
 __all__ = [
     "LlamaConfig",
@@ -80,9 +83,11 @@ _ABSENT = object()
 
 
 def _paths(family: str, layout: str, **extra: Any) -> PathRules:
-    """``{Family}ForCausalLM``'s layout: ``model.layers.N.{self_attn,mlp}.X``."""
+    """``{Family}ForCausalLM``'s layout: ``model.layers.N.{self_attn,mlp}.X``, with
+    ``model.embed_tokens``, ``lm_head`` and (sequence classifiers) ``score``."""
     layouts = {layout: "model.layers", **extra.pop("layouts", {})}
-    return PathRules(family=family, layouts=layouts, modules=_INSIDE, **extra)
+    return PathRules(family=family, layouts=layouts, modules=_INSIDE,
+                     model=decoder_model_paths(layouts), **extra)
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,9 @@ class _DecoderConfig(ModelGeometry):
     intermediate_size: int
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
+    #: model-level sizes (``lm_head``, ``embed_tokens``, ``score``): ``None`` when unknown
+    vocab_size: Optional[int] = None
+    num_labels: Optional[int] = None
 
     #: Family name in messages, the ``model_type`` values read, the path rules.
     FAMILY: ClassVar[str] = ""
@@ -114,6 +122,7 @@ class _DecoderConfig(ModelGeometry):
 
     def __post_init__(self) -> None:
         where = type(self).__name__
+        check_model_level(self, where)
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             object.__setattr__(self, name, positive_int(getattr(self, name), name, where))
         H, Nq = self.hidden_size, self.num_attention_heads
@@ -177,6 +186,7 @@ class _DecoderConfig(ModelGeometry):
                                                       absent_ok=cls.KV_HEADS_ABSENT_DERIVED,
                                                       null_ok=cls.DERIVES_KV_HEADS,
                                                       rule="num_attention_heads")
+        values.update(model_level_fields(text, prefix, where))
         return cls(**values)
 
     @classmethod
@@ -219,6 +229,8 @@ class _DecoderConfig(ModelGeometry):
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size,
+            **({} if self.vocab_size is None else {"vocab_size": self.vocab_size}),
+            **({} if self.num_labels is None else {"num_labels": self.num_labels}),
         }
 
     # ------------------------------------------------------------------ queries
@@ -233,7 +245,10 @@ class _DecoderConfig(ModelGeometry):
     MODULES: ClassVar[Tuple[str, ...]] = DECODER_MODULES
 
     def modules(self, layer_idx: int) -> Tuple[str, ...]:
-        """The module names addressable on layer ``layer_idx`` (the same on every layer)."""
+        """The module names addressable on layer ``layer_idx`` (the same on every layer);
+        for ``None``, the model-level modules (``lm_head``, ``embed_tokens``, ``score``)."""
+        if layer_idx is None:
+            return self._model_modules()
         check_layer_index(layer_idx, self.num_hidden_layers, None, type(self).__name__)
         return self.MODULES
 
@@ -258,6 +273,8 @@ class _DecoderConfig(ModelGeometry):
 
     def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
         """``(d_in, d_out)`` of projection ``module`` on layer ``layer_idx`` (module docstring)."""
+        if layer_idx is None:
+            return self._model_shape(module)
         where = type(self).__name__
         module = check_module_type(module, layer_idx, where)
         layer_idx = check_layer_index(layer_idx, self.num_hidden_layers, module, where)
@@ -269,6 +286,9 @@ class _DecoderConfig(ModelGeometry):
                 f"{self.FAMILY}{self._unknown_hint(module)}; known modules are "
                 f"{', '.join(self.MODULES)}"
             ) from None
+
+    def _model_shapes(self) -> dict:
+        return decoder_model_shapes(self.hidden_size, self.vocab_size, self.num_labels)
 
     def describe(self) -> str:
         return (f"{self.FAMILY}, hidden {self.hidden_size}, {self.num_hidden_layers} layers, "
@@ -379,6 +399,8 @@ class Gemma3TextConfig(_DecoderConfig):
         "Gemma 3", "gemma3",
         layouts={"gemma3_multimodal": "model.language_model.layers"},
         read_roots=("language_model.model.layers",),
+        model_read={"embed_tokens": ("language_model.model.embed_tokens",),
+                    "lm_head": ("language_model.lm_head",)},
     )
     TRANSFORMERS_DEFAULTS: ClassVar[Dict[str, int]] = {"num_key_value_heads": 4, "head_dim": 256}
     #: Gemma3TextConfig's defaults, which a nested ``text_config`` leaves out (only there).

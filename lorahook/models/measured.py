@@ -21,7 +21,7 @@ class MeasuredGeometry(ModelGeometry):
     messages. Immutable; compared by value.
     """
 
-    __slots__ = ("_shapes", "_num_layers", "_by_layer", "name")
+    __slots__ = ("_shapes", "_num_layers", "_by_layer", "_model_level", "name")
 
     def __init__(self, shapes: Mapping, name: str = "measured geometry"):
         checked: Dict[Tuple[int, str], Tuple[int, int]] = {}
@@ -29,8 +29,10 @@ class MeasuredGeometry(ModelGeometry):
             if not (isinstance(key, tuple) and len(key) == 2):
                 raise TypeError(f"{name}: keys must be (layer_idx, module) tuples, found {describe_value(key)}")
             layer_idx, module = key
-            if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral) or layer_idx < 0:
-                raise TypeError(f"{name}: layer index in key {key!r} must be an int >= 0")
+            if layer_idx is not None and (isinstance(layer_idx, bool)
+                                          or not isinstance(layer_idx, numbers.Integral)
+                                          or layer_idx < 0):
+                raise TypeError(f"{name}: layer index in key {key!r} must be an int >= 0 or None")
             if not isinstance(module, str) or not module:
                 raise TypeError(f"{name}: module in key {key!r} must be a non-empty str")
             shape = tuple(shape)
@@ -38,14 +40,17 @@ class MeasuredGeometry(ModelGeometry):
                                           and d > 0 for d in shape):
                 raise ValueError(f"{name}: shape for {key!r} must be (d_in, d_out) positive ints, "
                                  f"found {shape!r}")
-            checked[(int(layer_idx), module)] = (int(shape[0]), int(shape[1]))
+            checked[(None if layer_idx is None else int(layer_idx), module)] = (
+                int(shape[0]), int(shape[1]))
         if not checked:
             raise LoraValidationError(f"{name}: no projections were measured")
         by_layer: Dict[int, list] = {}
         for layer_idx, module in checked:
             by_layer.setdefault(layer_idx, []).append(module)
+        model_level = tuple(by_layer.pop(None, ()))
         object.__setattr__(self, "_shapes", MappingProxyType(checked))
-        object.__setattr__(self, "_num_layers", max(by_layer) + 1)
+        object.__setattr__(self, "_num_layers", max(by_layer) + 1 if by_layer else 0)
+        object.__setattr__(self, "_model_level", model_level)
         object.__setattr__(self, "_by_layer", {i: tuple(ms) for i, ms in by_layer.items()})
         object.__setattr__(self, "name", name)
 
@@ -72,11 +77,18 @@ class MeasuredGeometry(ModelGeometry):
     def num_layers(self) -> int:
         return self._num_layers
 
+    def _model_shapes(self) -> dict:
+        return {m: self._shapes[(None, m)] for m in self._model_level}
+
     def modules(self, layer_idx: int) -> Tuple[str, ...]:
+        if layer_idx is None:
+            return self._model_level
         layer_idx = check_layer_index(layer_idx, self._num_layers, None, self.name)
         return self._by_layer.get(layer_idx, ())
 
     def projection_shape(self, layer_idx: int, module: str) -> Tuple[int, int]:
+        if layer_idx is None:
+            return self._model_shape(module)
         module = check_module_type(module, layer_idx, self.name)
         layer_idx = check_layer_index(layer_idx, self._num_layers, module, self.name)
         shape = self._shapes.get((layer_idx, module))

@@ -20,10 +20,21 @@ from typing import Dict, Optional, Tuple
 
 from ..errors import LoraValidationError
 
-__all__ = ["PathRules", "PEFT_PREFIX"]
+__all__ = ["PathRules", "PEFT_PREFIX", "decoder_model_paths"]
 
 #: The prefix PEFT puts before a base-model path in its tensor names.
 PEFT_PREFIX = "base_model.model."
+
+
+def decoder_model_paths(layouts: Mapping[str, str]) -> Dict[str, Dict[str, str]]:
+    """A decoder's model-level paths per layout: the embeddings beside the layers
+    (``model.layers`` -> ``model.embed_tokens``), ``lm_head`` and the ``score`` head on top."""
+    out: Dict[str, Dict[str, str]] = {"lm_head": {}, "embed_tokens": {}, "score": {}}
+    for layout, root in layouts.items():
+        out["embed_tokens"][layout] = root[: -len("layers")] + "embed_tokens"
+        out["lm_head"][layout] = "lm_head"
+        out["score"][layout] = "score"
+    return out
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,10 @@ class PathRules:
     layouts: Mapping[str, str]
     modules: Mapping[str, str]
     read_roots: Tuple[str, ...] = ()
+    #: model-level modules (``layer_idx`` ``None``): module -> {layout: path written}
+    model: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    #: further model-level paths accepted when reading: module -> paths
+    model_read: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
     _pattern: "re.Pattern" = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +66,16 @@ class PathRules:
         )
         object.__setattr__(self, "_pattern", pattern)
         object.__setattr__(self, "_by_inside", {s: m for m, s in self.modules.items()})
+        by_path = {}
+        for module, per_layout in self.model.items():
+            for p in tuple(per_layout.values()) + tuple(self.model_read.get(module, ())):
+                by_path[p] = module
+        object.__setattr__(self, "_model_by_path", by_path)
+
+    @property
+    def model_paths(self) -> Mapping[str, str]:
+        """Every model-level path read: path -> module."""
+        return self._model_by_path
 
     @property
     def roots(self) -> Tuple[str, ...]:
@@ -61,6 +86,9 @@ class PathRules:
 
     def place(self, path: str) -> Optional[Tuple[int, str]]:
         """``(layer_idx, module)`` for a base-model module path, or ``None``."""
+        module = self._model_by_path.get(path)
+        if module is not None:
+            return None, module
         m = self._pattern.match(path)
         if m is None:
             return None
@@ -83,6 +111,13 @@ class PathRules:
 
     def path(self, layer_idx: int, module: str, layout: str) -> str:
         """The module path of ``(layer_idx, module)`` in the layout ``layout``."""
+        if layer_idx is None:
+            path = self.model.get(module, {}).get(layout)
+            if path is None:
+                raise LoraValidationError(
+                    f"model-level module {module!r} is not a {self.family} module of layout "
+                    f"{layout!r}; expected one of {', '.join(m for m, p in self.model.items() if layout in p)}")
+            return path
         inside = self.modules.get(module)
         if inside is None:
             raise LoraValidationError(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Tuple
 
 from .decoders import _DecoderConfig
-from .paths import PathRules
+from .paths import PathRules, decoder_model_paths
 
 __all__ = ["Phi3Config", "PHI3_MODULES"]
 
@@ -44,6 +44,7 @@ class Phi3Config(_DecoderConfig):
         layouts={"phi3": "model.layers"},
         modules={"qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj",
                  "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"},
+        model=decoder_model_paths({"phi3": "model.layers"}),
     )
     DERIVES_HEAD_DIM: ClassVar[bool] = True
     DERIVES_KV_HEADS: ClassVar[bool] = True

@@ -43,6 +43,9 @@ from .base import (
     ModelGeometry,
     check_bool,
     check_layer_index,
+    check_model_level,
+    decoder_model_shapes,
+    model_level_fields,
     check_mapping,
     check_module_type,
     describe_value,
@@ -51,7 +54,7 @@ from .base import (
     required_positive_int,
 )
 from .bert import BERT_MODULES
-from .paths import PathRules
+from .paths import PathRules, decoder_model_paths
 
 __all__ = [
     "Qwen35Config",
@@ -103,6 +106,8 @@ QWEN35_PATHS = PathRules(
         **{m: f"linear_attn.{m}" for m in QWEN35_LINEAR_ATTENTION_MODULES},
         **{m: f"mlp.{m}" for m in QWEN35_MLP_MODULES},
     },
+    model=decoder_model_paths({"qwen3_5": "model.layers",
+                               "qwen3_5_multimodal": "model.language_model.layers"}),
 )
 
 _ATTENTION_MODULES = {
@@ -291,9 +296,14 @@ class Qwen35Config(ModelGeometry):
     moe_intermediate_size: Optional[int] = None
     shared_expert_intermediate_size: Optional[int] = None
     tie_word_embeddings: bool = False
+    #: model-level sizes (``lm_head``, ``embed_tokens``, ``score``): ``None`` when unknown
+    vocab_size: Optional[int] = None
+    num_labels: Optional[int] = None
 
     def __post_init__(self) -> None:
-        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        check_model_level(self, "Qwen35Config")
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__
+                  if name not in ("vocab_size", "num_labels")}
         for name, value in _validated_qwen35_fields(values, "", "Qwen35Config").items():
             object.__setattr__(self, name, value)
 
@@ -375,7 +385,7 @@ class Qwen35Config(ModelGeometry):
         values["tie_word_embeddings"] = tie
 
         normalized = _validated_qwen35_fields(values, prefix, where, is_moe)
-        return cls(**normalized)
+        return cls(**normalized, **model_level_fields(text, prefix, where))
 
     @classmethod
     def from_json(cls, path: "str | os.PathLike") -> "Qwen35Config":
@@ -443,10 +453,16 @@ class Qwen35Config(ModelGeometry):
         return self.num_hidden_layers
 
     def modules(self, layer_idx: int) -> Tuple[str, ...]:
-        """The module names addressable on layer ``layer_idx``."""
+        """The module names addressable on layer ``layer_idx``; for ``None`` the model-level
+        modules (``lm_head``, ``embed_tokens``, ``score``)."""
+        if layer_idx is None:
+            return self._model_modules()
         attention = _ATTENTION_MODULES[self.layer_type(layer_idx)]
         return attention if self.is_moe else attention + QWEN35_MLP_MODULES
 
+
+    def _model_shapes(self) -> dict:
+        return decoder_model_shapes(self.hidden_size, self.vocab_size, self.num_labels)
 
     def describe(self) -> str:
         kinds: dict = {}
@@ -464,6 +480,8 @@ class Qwen35Config(ModelGeometry):
         module on the other layer type, or an MLP module on a mixture-of-experts model;
         ``TypeError`` for an index that is not an int or a module that is not a str.
         """
+        if layer_idx is None:
+            return self._model_shape(module)
         where = "Qwen35Config"
         module = check_module_type(module, layer_idx, where)
         layer_idx = check_layer_index(layer_idx, self.num_hidden_layers, module, where)
