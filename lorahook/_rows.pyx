@@ -36,10 +36,10 @@ cimport cython
 cimport numpy as cnp
 from cpython.type cimport PyType_IsSubtype
 
-from lorahook._checks cimport (ROWS_BF16, ROWS_F16, ROWS_F32, as_int, as_width, check_call,
-                               check_layout, check_type, row_count)
-from lorahook._kernels cimport (KIND_EMBEDDING, KIND_SAVED_EMBEDDING, GroupPlan, LayerKernel,
-                                private_vector, run_layer)
+from lorahook._checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, as_int, as_width, check_call
+from lorahook._checks cimport check_layout, check_type, row_count
+from lorahook._kernels cimport KIND_EMBEDDING, KIND_SAVED_EMBEDDING, GroupPlan, LayerKernel
+from lorahook._kernels cimport private_vector, run_layer
 
 import numpy as np
 

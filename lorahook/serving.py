@@ -43,7 +43,7 @@ from types import MappingProxyType
 import numpy as np
 
 from . import _rows, threads
-from .adapter import LoraAdapter
+from .adapter import LoraAdapter, _base_lookup
 from .errors import LoraCapacityError, LoraFormatError
 from .hook import LoraHook
 
@@ -174,18 +174,20 @@ def _finite(value, what):
 class _Installed:
     """An installed adapter with what binding needs, computed once at install."""
 
-    __slots__ = ("adapter", "layer_scales", "arrays")
+    __slots__ = ("adapter", "layer_scales", "arrays", "exact")
 
     def __init__(self, adapter):
         self.adapter = adapter
         # id -> nbytes of every array the adapter keeps, for the set's byte count
-        self.arrays = {id(arr): arr.nbytes for layer in adapter.layers.values()
-                       for arr in layer._arrays()}
+        self.arrays = {id(arr): arr.nbytes for arr in adapter._all_arrays()}
         # The distinct scales of the kernels that apply something (float32
         # values, as the core keys them): a batch's per-row scales are
         # multiplied by each of them once, at bind time.
-        self.layer_scales = tuple(sorted(
-            {layer._kernel.scale for layer in adapter.layers.values() if layer.rank > 0}))
+        scales = {layer._kernel.scale for layer in adapter.layers.values() if layer.rank > 0}
+        scales.update(module._kernel.scale for module in adapter.saved_modules.values())
+        self.layer_scales = tuple(sorted(scales))
+        # DoRA layers and saved modules are not linear in the scale: rows take 0 or 1
+        self.exact = adapter._row_exact
 
 
 class _Load:
@@ -245,9 +247,9 @@ class AdapterSet:
     """
 
     __slots__ = ("_model", "_lock", "_installed", "_capacity", "_resolver", "_lru",
-                 "_pinned", "_loading", "_stats")
+                 "_pinned", "_loading", "_stats", "_base_weights")
 
-    def __init__(self, model=None, *, capacity_bytes=None, resolver=None):
+    def __init__(self, model=None, *, capacity_bytes=None, resolver=None, base_weights=None):
         threads._look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         self._model = _check_model(model)
         if capacity_bytes is not None:
@@ -259,6 +261,9 @@ class AdapterSet:
             capacity_bytes = int(capacity_bytes)
         self._capacity = capacity_bytes
         self._resolver = _check_resolver(resolver)
+        if base_weights is not None:
+            _base_lookup(base_weights)
+        self._base_weights = base_weights
         self._lock = threading.Lock()
         # name -> _Installed; never mutated, only replaced as a whole.
         self._installed = _EMPTY
@@ -286,9 +291,41 @@ class AdapterSet:
     def _prepare(self, name, adapter):
         _check_name(name)
         _check_adapter(name, adapter)
+        return self._checked(adapter)
+
+    def _checked(self, adapter):
+        """Validate an adapter about to be installed and give its DoRA layers their base."""
         if self._model is not None:
             adapter.validate_against(self._model)
+        base = self._base_weights
+        if base is not None and adapter.needs_base:
+            adapter = adapter.with_base(base)
         return _Installed(adapter)
+
+    @property
+    def base_weights(self):
+        """The base weights DoRA layers get when installed (``None``: none given)."""
+        return self._base_weights
+
+    def set_base_weights(self, weights):
+        """Give DoRA layers their base weights: those installed from now on, and resident
+        ones that have none yet (each replaced atomically by the adapter with its base).
+
+        ``weights`` is what :meth:`LoraAdapter.with_base` takes, or ``None``.  A
+        resident adapter whose base cannot be computed keeps its place and the
+        error propagates (its DoRA rows keep refusing).
+        """
+        if weights is not None:
+            _base_lookup(weights)  # refuse a wrong type before anything changes
+        self._base_weights = weights
+        if weights is None:
+            return
+        for name, entry in list(self._installed.items()):
+            if entry.adapter.needs_base:
+                based = _Installed(entry.adapter.with_base(weights))
+                with self._lock:
+                    if self._installed.get(name) is entry:
+                        self._commit({name: based}, protect=(name,))
 
     # --- the resident set (callers hold the lock) -----------------------------
 
@@ -410,9 +447,7 @@ class AdapterSet:
         start = time.perf_counter()
         try:
             adapter = resolve(self._resolver, name)
-            if self._model is not None:
-                adapter.validate_against(self._model)
-            job.entry = _Installed(adapter)
+            job.entry = self._checked(adapter)
         except Exception as exc:
             job.error = exc
         except BaseException:
@@ -669,6 +704,11 @@ class AdapterSet:
             entry = installed[name]
             idx = np.asarray(idx, dtype=np.int64)
             f = all_factors[idx]
+            if entry.exact and not (f == 1.0).all():
+                raise ValueError(
+                    f"adapter {name!r} has DoRA layers or saved modules (modules_to_save), which "
+                    f"are not linear in the scale: its {unit}s take scale 0 or 1, got "
+                    f"{sorted(set(f[f != 1.0].tolist()))[:3]}")
             per_scale = {}
             for s in entry.layer_scales:
                 group = _group_for_scale(name, s, idx, f, n)

@@ -116,8 +116,9 @@ Not supported (refused with a clear error rather than silently wrong):
 import contextvars
 import threading
 
-from ._rows import _apply_lora_bits
-from .hook import LoraHook, apply_lora_rows
+from ._rows import _apply_lora_bits, _apply_lora_embedding_bits
+from .hook import LoraHook, apply_lora_embedding, apply_lora_rows
+from .adapter import key_order
 from .models import MeasuredGeometry, place
 
 __all__ = ["attach", "default_mapping", "geometry_of", "token_rows", "AttachedHooks", "Selection"]
@@ -159,6 +160,12 @@ def _linear_kind(mod, path):
         kind = _QUANTIZED_LINEARS.get((cls.__module__, cls.__name__))
         if kind is not None:
             return kind
+    if isinstance(mod, nn.Embedding):
+        if mod.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+                or mod.weight.device.type != "cpu":
+            raise TypeError(f"lorahook.torch: {path}: an embedding of {mod.weight.dtype} on "
+                            f"{mod.weight.device}; expected float32, bfloat16 or float16 on the CPU")
+        return "embedding"
     if type(mod) is not nn.Linear:
         return None
     weight = mod.weight
@@ -182,7 +189,7 @@ def _linears(model, resolve):
         key = resolve(path)
         if key is None:
             continue
-        key = (int(key[0]), str(key[1]))
+        key = (None if key[0] is None else int(key[0]), str(key[1]))
         if _linear_kind(mod, path) is None:
             unsupported.setdefault(key, (path, _class_name(mod)))
             continue
@@ -190,6 +197,52 @@ def _linears(model, resolve):
             raise ValueError(f"lorahook.torch: {path} and {where[key]} both map to {key}")
         found[path] = where[key] = key
     return found, {k: v for k, v in unsupported.items() if k not in where}
+
+
+def _shape(mod):
+    """``(d_in, d_out)`` of a hooked module: a linear's features, an embedding's table."""
+    if hasattr(mod, "num_embeddings"):
+        return int(mod.num_embeddings), int(mod.embedding_dim)
+    return int(mod.in_features), int(mod.out_features)
+
+
+def _base_of(mod):
+    """``(W, b)`` of a hooked linear as float32 arrays, dequantized once.
+
+    A float ``nn.Linear`` gives its own weight; a quantized one is measured by
+    running it (``b = f(0)``, ``W = (f(I) - b)^T``): the weight it computes with,
+    whatever library stores it, as PEFT's DoRA dequantizes the base weight.
+    """
+    import torch
+    d_in, d_out = _shape(mod)
+    with torch.inference_mode():
+        weight = getattr(mod, "weight", None)
+        if type(mod) is torch.nn.Linear and type(weight) in (torch.Tensor, torch.nn.Parameter):
+            w = weight.detach().float().numpy().copy()
+            b = None if mod.bias is None else mod.bias.detach().float().numpy().copy()
+            return w, b
+        dtype = next((p.dtype for p in mod.parameters() if p.is_floating_point()), torch.float32)
+        probe = torch.cat([torch.zeros(1, d_in, dtype=dtype), torch.eye(d_in, dtype=dtype)])
+        out = mod(probe).float()
+        b = out[0]
+        w = (out[1:] - b).T.contiguous().numpy().copy()
+        return w, (b.numpy().copy() if bool((b != 0).any()) else None)
+
+
+def _base_weights(model, found):
+    """A ``with_base`` callable reading each DoRA layer's base from the model (once per key)."""
+    paths = {key: path for path, key in found.items()}
+    cache = {}
+
+    def lookup(key):
+        if key not in cache:
+            path = paths.get(key)
+            if path is None:
+                return None
+            cache[key] = _base_of(model.get_submodule(path))
+        return cache[key]
+
+    return lookup
 
 
 def _refuse_unhooked(who, key, unsupported):
@@ -229,10 +282,7 @@ def geometry_of(model, *, mapping=None):
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     found, _ = _linears(model, _resolve_mapping(mapping))
-    shapes = {}
-    for path, key in found.items():
-        mod = model.get_submodule(path)
-        shapes[key] = (int(mod.in_features), int(mod.out_features))
+    shapes = {path_key: _shape(model.get_submodule(path)) for path, path_key in found.items()}
     return MeasuredGeometry(shapes, name=f"the linear layers of {type(model).__name__}")
 
 
@@ -276,8 +326,9 @@ class AttachedHooks:
         hook = self._adapter_set.bind_sequences(seq_adapters, scales)
         for name in sorted(hook.adapters):
             adapter = hook.adapters[name]
-            for key in adapter.keys():
-                layer = adapter.layers[key]
+            parts = {**adapter.layers, **adapter.saved_modules}
+            for key in sorted(parts, key=key_order):
+                layer = parts[key]
                 if key not in self._shapes:
                     _refuse_unhooked(f"adapter {name!r}", key, self._unsupported)
                 if (layer.d_in, layer.d_out) != self._shapes[key]:
@@ -428,10 +479,10 @@ def attach(model, hook, *, mapping=None):
 
     found, unsupported = _linears(model, resolve)
     if isinstance(hook, LoraAdapter):
-        shapes = {k: (model.get_submodule(p).in_features, model.get_submodule(p).out_features)
-                  for p, k in found.items()}
-        for key in hook.keys():
-            layer = hook.layers[key]
+        shapes = {k: _shape(model.get_submodule(p)) for p, k in found.items()}
+        parts = {**hook.layers, **hook.saved_modules}
+        for key in sorted(parts, key=key_order):
+            layer = parts[key]
             if key not in shapes:
                 _refuse_unhooked("adapter", key, unsupported)
             if (layer.d_in, layer.d_out) != shapes[key]:
@@ -440,21 +491,23 @@ def attach(model, hook, *, mapping=None):
                     f"{(layer.d_in, layer.d_out)}, but the model's linear is "
                     f"(in_features, out_features) = {shapes[key]}")
         found = {p: k for p, k in found.items() if hook.is_active(*k)}
+        if hook.needs_base:  # DoRA layers get the model's own weights
+            hook = hook.with_base(_base_weights(model, found))
 
     handles = []
     if adapter_set is not None:
         attach_key = object()  # names this attachment in the context's selections
         shapes = {}
+        adapter_set.set_base_weights(_base_weights(model, found))
         for path, key in found.items():
             mod = model.get_submodule(path)
-            shapes[key] = (mod.in_features, mod.out_features)
+            shapes[key] = _shape(mod)
             handles.append(mod.register_forward_hook(_make_selection_hook(
-                attach_key, path, key, mod.in_features, mod.out_features)))
+                attach_key, path, key, *shapes[key])))
         return AttachedHooks(handles, dict(found), adapter_set, shapes, attach_key, unsupported)
     for path, key in found.items():
         mod = model.get_submodule(path)
-        handles.append(mod.register_forward_hook(_make_hook(hook, path, key,
-                                                            mod.in_features, mod.out_features)))
+        handles.append(mod.register_forward_hook(_make_hook(hook, path, key, *_shape(mod))))
     return AttachedHooks(handles, dict(found))
 
 
@@ -470,6 +523,13 @@ def _run(hook, path, layer_idx, module, x, output, d_in, d_out):
     if not output.is_contiguous():
         output = replaced = output.contiguous()
     yout = _as_numpy(output, "output", path).reshape(-1)  # its dtype is the rows' dtype
+    if not x.is_floating_point() and not x.is_complex():  # an embedding's token ids
+        ids = x.detach().reshape(-1).to(torch.int64).numpy()
+        if output.dtype == torch.bfloat16:
+            _apply_lora_embedding_bits(hook, layer_idx, module, ids, yout, d_out, True)
+        else:
+            apply_lora_embedding(hook, layer_idx, module, ids, yout, d_out)
+        return replaced
     if x.dtype != output.dtype:
         if not x.is_floating_point():
             raise TypeError(f"lorahook.torch: {path}: the input is {x.dtype}, expected a float "
@@ -504,7 +564,13 @@ def _make_selection_hook(attach_key, path, key, d_in, d_out):
             return None
         x = inputs[0]
         s = hook.n_sequences
-        if x.dim() == 3:
+        if not x.is_floating_point() and x.dim() in (1, 2):  # an embedding's ids: (B, L) or (N,)
+            if s == 0 or x.shape[0] % s:
+                raise ValueError(
+                    f"lorahook.torch: {path}: the selection has {s} sequences, but the ids' "
+                    f"batch size {x.shape[0]} is not a multiple of {s} (ids shape "
+                    f"{tuple(x.shape)})")
+        elif x.dim() == 3:
             if s == 0 or x.shape[0] % s:
                 raise ValueError(
                     f"lorahook.torch: {path}: the selection has {s} sequences, but the input's "

@@ -498,7 +498,7 @@ CONFIG_OVERRIDES = {
     "bias_all": {"bias": "all"},
     "bias_list": {"bias": ["none"]},
     "init_pissa": {"init_lora_weights": "pissa"},
-    "modules_to_save": {"modules_to_save": ["lm_head"]},
+    "modules_to_save": {"modules_to_save": 5},
     "lora_bias_without_tensor": {"lora_bias": True},
     "init_weights_list": {"init_lora_weights": ["pissa"]},
 }

@@ -578,7 +578,7 @@ def test_scales_of_one_layout_and_config_are_shared_and_refusals_name_each_file(
     one, two = LoraAdapter.from_peft(tmp_path / "one"), LoraAdapter.from_peft(tmp_path / "two")
     assert len(kept_scales()) == 1
     (kept,) = st_reader._kept_by_header.values()
-    assert ("entries", False) in kept.derived  # the names grouped once for both
+    assert ("entries", False, ()) in kept.derived  # the names grouped once for both
     check_against_independent_read(tmp_path / "one", one, False)
     check_against_independent_read(tmp_path / "two", two, False)
     ranks = {path: rank for path, _, _, rank in MODULES}

@@ -147,8 +147,8 @@ def _parse_tensors(
                 continue
             if (saved and spath.endswith(".base_layer") and saved.group("param") == "weight"
                     and place(spath[: -len(".base_layer")]) is not None
-                    and place(spath[: -len(".base_layer")])[1] in EMBEDDING_MODULES):
-                # PEFT saves the base embedding beside embedding LoRA (save_embedding_layers)
+                    and place(spath[: -len(".base_layer")])[0] is None):
+                # PEFT saves the base embedding / lm_head beside their LoRA (save_embedding_layers)
                 entries.setdefault(("ignored",), []).append(name)
                 continue
             raise LoraFormatError(f"{where}: tensor {name!r} is {_classify_non_factor(name)}")
@@ -420,10 +420,10 @@ def read_peft(path: os.PathLike) -> AdapterData:
         ignored = _split(entries)[2]
         if ignored:
             warnings.warn(
-                f"{where}: the base embedding weight PEFT saved beside the embedding LoRA "
-                f"({', '.join(ignored)}) is not applied: lorahook adds the LoRA to the model's own "
-                f"embedding (a model whose vocabulary was resized must be resized and loaded "
-                f"with that weight itself)", UserWarning, stacklevel=3)
+                f"{where}: the base weights PEFT saved beside the LoRA of an embedding or lm_head "
+                f"({', '.join(ignored)}) are not applied: lorahook adds the LoRA to the model's own "
+                f"module (a model whose vocabulary was resized must be resized and loaded "
+                f"with those weights itself)", UserWarning, stacklevel=3)
         def checked_scales():
             return MappingProxyType(_checked_scales(file_tensors, entries, config, where))
 

@@ -61,10 +61,14 @@ def write_peft(adapter, path: os.PathLike, architecture: Optional[str] = None,
     stored_paths = adapter.module_paths
 
     items: List[Tuple[str, Any]] = []
+    saved: List[Tuple[str, Any]] = []
     seen: Dict[str, Tuple[int, str]] = {}
-    for key in sorted(adapter.layers):
-        layer = adapter.layers[key]
-        if layer.rank == 0:
+    saved_modules = getattr(adapter, "saved_modules", {})
+    parts = {**adapter.layers, **saved_modules}
+    order = lambda k: (k[0] is None, -1 if k[0] is None else k[0], k[1])  # noqa: E731
+    for key in sorted(parts, key=order):
+        layer = parts[key]
+        if key not in saved_modules and layer.rank == 0:
             continue
         if architecture is not None:
             mpath = module_path(key[0], key[1], architecture)
@@ -78,9 +82,14 @@ def write_peft(adapter, path: os.PathLike, architecture: Optional[str] = None,
         if mpath in seen:
             raise ValueError(f"module path {mpath!r} would be written for both {seen[mpath]} and {key}")
         seen[mpath] = key
-        items.append((mpath, layer))
+        (saved if key in saved_modules else items).append((mpath, layer))
     if not items:
         raise ValueError("adapter has no layer with rank > 0; PEFT cannot represent an empty adapter")
+    dora = {getattr(layer, "is_dora", False) for _, layer in items}
+    if len(dora) > 1:
+        raise ValueError("PEFT's use_dora holds for every layer of an adapter: this adapter mixes "
+                         "DoRA and plain layers")
+    use_dora = dora.pop()
 
     # Defaults: the most common rank, then the most common alpha among layers of that rank
     # (ties go to the first in key order); everything else becomes a pattern entry.
@@ -102,11 +111,22 @@ def write_peft(adapter, path: os.PathLike, architecture: Optional[str] = None,
         prefix = PEFT_PREFIX + mpath
         # the layer's own dtype: float32, float16 or (ml_dtypes) bfloat16
         dtype = layer.a.dtype
+        if getattr(layer, "is_embedding", False):
+            tensors[prefix + ".lora_embedding_A"] = np.ascontiguousarray(layer.a)
+            tensors[prefix + ".lora_embedding_B"] = np.ascontiguousarray(layer.b)
+            continue
         tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(layer.a)
         tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(layer.b)
+        if use_dora:
+            tensors[prefix + ".lora_magnitude_vector"] = np.ascontiguousarray(layer.magnitude)
         if lora_bias:
             bias = layer.bias if layer.bias is not None else np.zeros(layer.d_out, dtype=np.float32)
             tensors[prefix + ".lora_B.bias"] = np.ascontiguousarray(bias).astype(dtype)
+
+    for mpath, module in saved:  # PEFT's modules_to_save: the module's own tensor names
+        tensors[PEFT_PREFIX + mpath + ".weight"] = np.ascontiguousarray(module.weight)
+        if module.bias is not None:
+            tensors[PEFT_PREFIX + mpath + ".bias"] = np.ascontiguousarray(module.bias)
 
     config = {
         "peft_type": "LORA",
@@ -124,7 +144,8 @@ def write_peft(adapter, path: os.PathLike, architecture: Optional[str] = None,
         "target_modules": [mpath for mpath, _ in items],
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
-        "modules_to_save": None,
+        "modules_to_save": [mpath for mpath, _ in saved] or None,
+        "use_dora": use_dora,
         "layers_to_transform": None,
         "layers_pattern": None,
     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from ..errors import LoraValidationError
@@ -72,8 +72,8 @@ class BertConfig(ModelGeometry):
     hidden_size: int
     intermediate_size: int
     #: model-level sizes (``word_embeddings``, the ``classifier`` head): ``None`` when unknown
-    vocab_size: Optional[int] = None
-    num_labels: Optional[int] = None
+    vocab_size: Optional[int] = field(default=None, compare=False, repr=False)
+    num_labels: Optional[int] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_model_level(self, "BertConfig")

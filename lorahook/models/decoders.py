@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, Optional, Tuple
 
 from ..errors import LoraValidationError
@@ -101,8 +101,8 @@ class _DecoderConfig(ModelGeometry):
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
     #: model-level sizes (``lm_head``, ``embed_tokens``, ``score``): ``None`` when unknown
-    vocab_size: Optional[int] = None
-    num_labels: Optional[int] = None
+    vocab_size: Optional[int] = field(default=None, compare=False, repr=False)
+    num_labels: Optional[int] = field(default=None, compare=False, repr=False)
 
     #: Family name in messages, the ``model_type`` values read, the path rules.
     FAMILY: ClassVar[str] = ""

@@ -297,8 +297,8 @@ class Qwen35Config(ModelGeometry):
     shared_expert_intermediate_size: Optional[int] = None
     tie_word_embeddings: bool = False
     #: model-level sizes (``lm_head``, ``embed_tokens``, ``score``): ``None`` when unknown
-    vocab_size: Optional[int] = None
-    num_labels: Optional[int] = None
+    vocab_size: Optional[int] = field(default=None, compare=False, repr=False)
+    num_labels: Optional[int] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_model_level(self, "Qwen35Config")
@@ -385,7 +385,9 @@ class Qwen35Config(ModelGeometry):
         values["tie_word_embeddings"] = tie
 
         normalized = _validated_qwen35_fields(values, prefix, where, is_moe)
-        return cls(**normalized, **model_level_fields(text, prefix, where))
+        # the model-level sizes: the text model's, else the top level's (multimodal files)
+        sizes = model_level_fields({**config, **text} if nested else text, prefix, where)
+        return cls(**normalized, **sizes)
 
     @classmethod
     def from_json(cls, path: "str | os.PathLike") -> "Qwen35Config":
@@ -406,6 +408,9 @@ class Qwen35Config(ModelGeometry):
         out["full_attention_interval"] = self.full_attention_interval
         out["layer_types"] = list(self.layer_types)
         out["tie_word_embeddings"] = self.tie_word_embeddings
+        for name in ("vocab_size", "num_labels"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     # ------------------------------------------------------------------ queries

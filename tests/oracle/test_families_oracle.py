@@ -134,7 +134,12 @@ def test_geometry_equals_the_real_linears(family, models, tmp_path):
         config.projection_shape(0, "in_proj_qkv")
     measured = geometry_of(model)
     assert measured.num_layers == config.num_layers
-    assert dict(measured.shapes) == {default_mapping(p): s for p, s in found.items()}
+    layers = {k: s for k, s in measured.shapes.items() if k[0] is not None}
+    assert layers == {default_mapping(p): s for p, s in found.items()}
+    # the model-level modules measured (lm_head, embed_tokens) are the config's
+    assert {"lm_head", "embed_tokens"} <= set(measured.modules(None))
+    for module in measured.modules(None):
+        assert measured.projection_shape(None, module) == config.projection_shape(None, module)
 
 
 def test_gemma3_multimodal(tmp_path):
@@ -284,4 +289,5 @@ def test_published_configs_on_meta_device(name):
             if key is not None:
                 assert geometry.projection_shape(*key) == (mod.in_features, mod.out_features), path
                 found += 1
-    assert found == geometry.num_layers * len(geometry.modules(0))
+    # every layer's projections, and the lm_head (a model-level module, layer_idx None)
+    assert found == geometry.num_layers * len(geometry.modules(0)) + 1

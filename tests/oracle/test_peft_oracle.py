@@ -188,23 +188,6 @@ def test_qwen_in_memory_mixed_scales_roundtrip(tmp_path, rng, tiny_qwen35):
     assert_deltas_match(LoraAdapter.from_peft(tmp_path / "mem"), reloaded, rng)
 
 
-def test_qwen_dora_refused(tmp_path, tiny_qwen35):
-    pm = attach(tiny_qwen35(), target_modules=["q_proj"], r=2, use_dora=True)
-    pm.save_pretrained(str(tmp_path / "ad"))
-    with pytest.raises(LoraFormatError, match="use_dora"):
-        LoraAdapter.from_peft(tmp_path / "ad")
-
-
-def test_qwen_lm_head_refused(tmp_path, tiny_qwen35):
-    pm = attach(tiny_qwen35(), target_modules=["q_proj", "lm_head"], r=2)
-    pm.save_pretrained(str(tmp_path / "ad"))  # PEFT also saves the full lm_head weight here
-    with pytest.raises(LoraFormatError, match="lm_head.*full base-model weight"):
-        LoraAdapter.from_peft(tmp_path / "ad")
-    pm.save_pretrained(str(tmp_path / "lora_only"), save_embedding_layers=False)
-    with pytest.raises(LoraFormatError, match="lm_head.*output head"):
-        LoraAdapter.from_peft(tmp_path / "lora_only")
-
-
 @pytest.mark.parametrize("variant", ["plain", "rslora_bias_patterns"])
 def test_bert_peft_saved_deltas_and_roundtrip(tmp_path, rng, minilm, variant):
     config = dict(r=4, lora_alpha=8, target_modules=BERT_TARGET)

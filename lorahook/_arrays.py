@@ -1,0 +1,164 @@
+"""Array checks and copies shared by adapter layers and saved modules.
+
+Every array an adapter keeps is a read-only, native, C-contiguous copy made
+once here (or adopted as it is when it already is one); DoRA's base terms are
+computed here from a layer's factors and its base weight.
+"""
+import math
+import numbers
+import sys
+
+import numpy as np
+
+from . import _halfconv
+
+_INT_MAX = 2**31 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _finite_scale(value, name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if abs(value) > _FLOAT32_MAX:
+        raise ValueError(f"{name} must fit in float32 (|{name}| <= {_FLOAT32_MAX:.7g}), got {value}")
+    return value
+
+
+_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _weight_dtype(dtype):
+    """The numpy dtype for ``float32`` / ``float16`` / ``bfloat16`` (ml_dtypes); TypeError otherwise."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        ml = sys.modules.get("ml_dtypes")
+        if ml is None:
+            raise TypeError("dtype 'bfloat16' means ml_dtypes.bfloat16: import ml_dtypes first "
+                            "(lorahook never imports it) or pass ml_dtypes.bfloat16")
+        dtype = ml.bfloat16
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
+    if dt.name not in _WEIGHT_DTYPES or not dt.isnative or (dt.name == "bfloat16" and dt.num < 256):
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dt}")
+    return dt
+
+
+def _as_float32(arr):
+    """A float32 array of ``arr``'s values (``arr`` itself when it is float32); exact."""
+    if arr.dtype == np.float32:
+        return arr
+    return _halfconv.widen(np.ascontiguousarray(arr).view(np.uint16), arr.dtype.name)
+
+
+def _rounded(arr32, dt):
+    """``arr32`` rounded to nearest even in ``dt`` (float16 / bfloat16), read-only."""
+    out = _halfconv.narrow(np.ascontiguousarray(arr32, dtype=np.float32), dt.name).view(dt)
+    out.flags.writeable = False
+    return out
+
+
+def _owned_float32(value, name, ndim, transpose=False):
+    """Copy ``value`` (transposed, with ``transpose``) once into a read-only float32 C-contiguous array."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "fiu" or arr.dtype.kind == "b":
+        raise TypeError(f"{name} must hold real numbers, got dtype {arr.dtype}")
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {arr.ndim}-D with shape {arr.shape}")
+    if any(d > _INT_MAX for d in arr.shape):
+        raise ValueError(f"{name} dimensions must each be at most {_INT_MAX}, got {arr.shape}")
+    with np.errstate(over="ignore"):
+        out = np.array(arr.T if transpose else arr, dtype=np.float32, order="C", copy=True)
+    if not np.isfinite(out).all():
+        bad = int(np.size(out) - np.count_nonzero(np.isfinite(out)))
+        raise ValueError(
+            f"{name} must hold only finite float32 values, got {bad} non-finite "
+            f"(NaN, Inf, or out of float32 range)")
+    out.flags.writeable = False
+    return out
+
+
+def _check_factor_shapes(a, bt):
+    if a.shape[0] != bt.shape[0]:
+        raise ValueError(
+            f"ranks disagree: a has shape {a.shape} (rank {a.shape[0]}), "
+            f"b has shape {bt.T.shape} (rank {bt.shape[0]})")
+    if a.shape[1] < 1 or bt.shape[1] < 1:
+        raise ValueError(
+            f"d_in and d_out must be >= 1, got a of shape {a.shape} and b of shape {bt.T.shape}")
+
+
+def _check_bias_shape(a, bt, bias):
+    if bias.shape[0] != bt.shape[1]:
+        raise ValueError(
+            f"bias must have shape ({bt.shape[1]},) to match b's d_out, got {bias.shape}")
+    if a.shape[0] == 0:
+        raise ValueError("a rank-0 layer cannot carry a bias")
+
+
+_FLOAT32 = np.dtype(np.float32)  # native byte order: equal to no other byte order
+
+
+def _adoptable(arr, name, ndim, dtype=_FLOAT32):
+    """Check an array a layer may keep as it is: ``dtype`` (native), C-contiguous, read-only."""
+    if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
+        raise TypeError(f"{name} must be a native {dtype} ndarray, got {type(arr).__name__} "
+                        f"{getattr(arr, 'dtype', '')}")
+    flags = arr.flags
+    if arr.ndim != ndim or not flags.c_contiguous or flags.writeable:
+        raise ValueError(f"{name} must be a read-only C-contiguous {ndim}-D array, got "
+                         f"{arr.ndim}-D with shape {arr.shape}, c_contiguous={flags.c_contiguous}, "
+                         f"writeable={flags.writeable}")
+    if max(arr.shape) > _INT_MAX:
+        raise ValueError(f"{name} dimensions must each be at most {_INT_MAX}, got {arr.shape}")
+
+
+def _owned_vector(value, name, length, where):
+    """A read-only float32 copy of a finite 1-D ``value`` of ``length`` values."""
+    out = _owned_float32(value, f"{where}{name}", 1)
+    if out.shape != (length,):
+        raise ValueError(f"{where}{name} must have shape ({length},), got {out.shape}")
+    return out
+
+
+def _dora_terms(a, bt, scale, magnitude, weight, base_bias, where):
+    """DoRA's per-row factors for one layer, from its base weight.
+
+    ``g = m / ||W + scale * B @ A||`` (each output row's norm over ``d_in``,
+    computed in float64), ``c = (1 - g) * b`` and ``g * B^T`` (the factor the
+    kernels use: ``g * (y - b + delta) + b == g * y + c + scale * (g B)(A x)``).
+    """
+    d_out, d_in = bt.shape[1], a.shape[1]
+    w = np.asarray(weight)
+    if w.dtype.kind not in "fiu" or w.dtype.kind == "b":
+        raise TypeError(f"{where}base weight must hold real numbers, got dtype {w.dtype}")
+    if w.shape != (d_out, d_in):
+        raise ValueError(f"{where}base weight must have shape (d_out, d_in) = {(d_out, d_in)}, "
+                         f"got {w.shape}")
+    a64 = _as_float32(a).astype(np.float64)
+    b64 = _as_float32(bt).astype(np.float64).T
+    full = w.astype(np.float64) + float(np.float32(scale)) * (b64 @ a64)
+    if not np.isfinite(full).all():
+        raise ValueError(f"{where}base weight must hold finite values")
+    norm = np.sqrt(np.einsum("ij,ij->i", full, full))
+    if not (norm > 0).all():
+        raise ValueError(f"{where}the adapted weight has a zero row (output "
+                         f"{int(np.argmin(norm))}): DoRA's norm would divide by zero")
+    g = (magnitude.astype(np.float64) / norm).astype(np.float32)
+    if base_bias is None:
+        c = np.zeros(d_out, dtype=np.float32)
+    else:
+        b = _owned_vector(base_bias, "base bias", d_out, where)
+        c = ((1.0 - g.astype(np.float64)) * b.astype(np.float64)).astype(np.float32)
+    if not (np.isfinite(g).all() and np.isfinite(c).all()):
+        raise ValueError(f"{where}DoRA's norm factor overflows float32")
+    gbt = np.ascontiguousarray(_as_float32(bt) * g[None, :], dtype=np.float32)
+    a32 = _as_float32(a)
+    for arr in (g, c, gbt):
+        arr.flags.writeable = False
+    return g, c, gbt, a32
+
+
