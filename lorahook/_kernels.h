@@ -98,4 +98,12 @@ static void lorahook_find_blas(void *blas_caller) {
     dlclose(handle);  /* RTLD_NOLOAD took a reference; give it back */
 }
 
+/* DoRA's step before the delta, y = m * y + c, over n values: the arrays
+   never overlap (restrict), so the compiler vectorizes the loop. */
+static void lorahook_affine(float *restrict y, const float *restrict m,
+                            const float *restrict c, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++) y[i] = m[i] * y[i] + c[i];
+}
+
 #endif /* LORAHOOK_KERNELS_H */

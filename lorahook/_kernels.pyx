@@ -51,6 +51,7 @@ cdef extern from "_kernels.h" nogil:
     size_t LORAHOOK_SCRATCH_CACHE_FLOATS
     char *lorahook_blas_path
     void lorahook_find_blas(void *blas_caller) noexcept
+    void lorahook_affine(float *y, const float *m, const float *c, size_t n) noexcept
 
 # Per-thread scratch areas (see _kernels.h).
 cdef enum:
@@ -257,10 +258,8 @@ cdef inline float _scale(const Segment *s, Py_ssize_t i) noexcept nogil:
 
 cdef inline void _pre(const Segment *s, float *y, Py_ssize_t o0, Py_ssize_t n) noexcept nogil:
     """What a row becomes before the delta is added (columns ``o0..o0+n`` of it, at ``y``)."""
-    cdef Py_ssize_t j
     if s.pre == 1:  # DoRA: g * y + (1 - g) * b
-        for j in range(n):
-            y[j] = s.pre_mul[o0 + j] * y[j] + s.pre_add[o0 + j]
+        lorahook_affine(y, s.pre_mul + o0, s.pre_add + o0, <size_t>n)
     elif s.pre == 2:  # replaced: the saved module's bias, or zeros
         if s.pre_add != NULL:
             memcpy(y, s.pre_add + o0, n * sizeof(float))

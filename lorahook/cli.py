@@ -147,10 +147,12 @@ def cmd_info(args, out):
     file_size = os.path.getsize(weights_path) if os.path.exists(weights_path) else 0
 
     keys = adapter.keys()
-    layers = sorted({k[0] for k in keys})
+    layers = sorted({k[0] for k in keys if k[0] is not None})
     by_module = {}
     for key in keys:
-        by_module.setdefault(key[1], []).append((key[0], adapter.layers[key]))
+        if key[0] is not None:
+            by_module.setdefault(key[1], []).append((key[0], adapter.layers[key]))
+    model_level = [k for k in keys if k[0] is None]
 
     w = out.write
     w(f"adapter     {args.path} ({kind})\n")
@@ -165,6 +167,8 @@ def cmd_info(args, out):
             bits.append("use_rslora")
         if peft_config.get("lora_bias"):
             bits.append("lora_bias")
+        if peft_config.get("use_dora"):
+            bits.append("use_dora")
         tm = peft_config.get("target_modules")
         if isinstance(tm, list):
             tm = ",".join(sorted(tm))
@@ -197,6 +201,17 @@ def cmd_info(args, out):
         w(f"  {module:<18}{_ranges([i for i, _ in entries]):<16}"
           f"{_set_text([l.rank for _, l in entries]):<8}"
           f"{_set_text([l.scale for _, l in entries], '{:g}'):<14}{shapes:<16}{bias}\n")
+    for key in model_level:  # lm_head, embeddings, heads (layer_idx None)
+        layer = adapter.layers[key]
+        kind = "embedding LoRA" if layer.is_embedding else "LoRA"
+        w(f"  {key[1]:<18}{'model-level':<16}{layer.rank:<8}{layer.scale:<14g}"
+          f"{f'{layer.d_in} -> {layer.d_out}':<16}{kind}\n")
+    if adapter.has_dora:
+        w("dora        magnitude vectors on every layer (base weights needed: with_base, "
+          "AdapterSet(base_weights=) or lorahook.torch.attach)\n")
+    for key, module in sorted(adapter.saved_modules.items(), key=lambda kv: str(kv[0])):
+        what = "embedding" if module.is_embedding else "linear" + (" + bias" if module.bias is not None else "")
+        w(f"saved       {key[1]} ({what}, {module.d_in} -> {module.d_out}, modules_to_save)\n")
     metadata = adapter.metadata
     if metadata:
         w("metadata\n")
@@ -216,8 +231,10 @@ def cmd_validate(args, out):
         adapter.validate_against(config)
     except LoraValidationError as exc:
         raise CommandError(f"does not fit: {_one_line(exc)}", EXIT_MISFIT) from None
-    layers = sorted({k[0] for k in adapter.keys()})
-    out.write(f"fits: {args.path} ({adapter.num_adapted_layers} projections on {len(layers)} layers) "
+    layers = sorted({k[0] for k in adapter.keys() if k[0] is not None})
+    extra = len(adapter.saved_modules) + sum(k[0] is None for k in adapter.keys())
+    more = f", {extra} model-level modules" if extra else ""
+    out.write(f"fits: {args.path} ({adapter.num_adapted_layers} projections on {len(layers)} layers{more}) "
               f"fits {args.model} ({_describe_model(config)})\n")
     return EXIT_OK
 
@@ -385,7 +402,7 @@ def cmd_demo(args, out):
     for name, adapter in adapters.items():
         aset.add(name, adapter)
     for name, adapter in adapters.items():
-        layers = sorted({k[0] for k in adapter.keys()})
+        layers = sorted({k[0] for k in adapter.keys() if k[0] is not None})
         ranks = _set_text([l.rank for l in adapter.layers.values()])
         scl = _set_text([l.scale for l in adapter.layers.values()], "{:g}")
         w(f"  {name:<10} rank {ranks:<6} scale {scl:<8} {adapter.num_adapted_layers:>3} projections "

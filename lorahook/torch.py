@@ -163,8 +163,9 @@ def _linear_kind(mod, path):
     if isinstance(mod, nn.Embedding):
         if mod.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
                 or mod.weight.device.type != "cpu":
-            raise TypeError(f"lorahook.torch: {path}: an embedding of {mod.weight.dtype} on "
-                            f"{mod.weight.device}; expected float32, bfloat16 or float16 on the CPU")
+            raise TypeError(f"lorahook.torch: {path}: weight is {mod.weight.dtype} on "
+                            f"{mod.weight.device}; an nn.Embedding must have float32, bfloat16 "
+                            f"and float16 weights on the CPU")
         return "embedding"
     if type(mod) is not nn.Linear:
         return None

@@ -247,3 +247,30 @@ class HalfPrecision:
 
     def time_apply(self, rows_shape, dtype):
         self.call()
+
+
+class DoraRows:
+    """A DoRA row against a plain LoRA row of the same rank and shape (decode and prefill).
+
+    The ratio ``time_apply(dora) / time_apply(plain)`` is what a DoRA adapter costs per
+    row over plain LoRA in a mixed batch.
+    """
+    params = [[1, 8, 256], [(1024, 3584), (4096, 4096)], ["plain", "dora"]]
+    param_names = ["rows", "shape", "variant"]
+
+    def setup(self, rows, shape, variant):
+        _configure(1)
+        rng = np.random.default_rng(0)
+        d_in, d_out = shape
+        layer = _layer(rng, d_in, d_out, 16)
+        if variant == "dora":
+            weight = (rng.standard_normal((d_out, d_in)) / np.sqrt(d_in)).astype(np.float32)
+            magnitude = np.linalg.norm(weight, axis=1) * 1.1
+            layer = LoraLayer(layer.a, layer.b, layer.scale,
+                              magnitude=magnitude).with_base(weight, np.zeros(d_out, np.float32))
+        self.adapter = LoraAdapter({(0, "q_proj"): layer})
+        self.x = rng.standard_normal((rows, d_in)).astype(np.float32)
+        self.y = np.zeros((rows, d_out), np.float32)
+
+    def time_apply(self, rows, shape, variant):
+        apply_lora_rows(self.adapter, 0, "q_proj", self.x, self.y)

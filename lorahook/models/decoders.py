@@ -407,6 +407,7 @@ class Gemma3TextConfig(_DecoderConfig):
     NESTED_DEFAULTS: ClassVar[Dict[str, int]] = {
         "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "vocab_size": 262_208,
     }
 
     @classmethod

