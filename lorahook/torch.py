@@ -207,21 +207,54 @@ def _shape(mod):
     return int(mod.in_features), int(mod.out_features)
 
 
+def _dequantized(mod):
+    """A quantized linear's weight dequantized by its own library, or ``None``.
+
+    bitsandbytes 8-bit and 4-bit (before its CPU backend repacks a 4-bit
+    weight on the first forward, with its scales rounded to bfloat16; after
+    that, ``None``: the module is measured), and weights that dequantize
+    themselves (torchao, quanto, torch's dynamic quantized ``Linear``).  The
+    library is the one that made the module, already imported.
+    """
+    import sys
+    weight = getattr(mod, "weight", None)
+    if _linear_kind(mod, "") == "bitsandbytes 4-bit":
+        state = weight.quant_state
+        if getattr(state, "packing_format_for_cpu", False):
+            return None  # repacked (scales now bfloat16): measured as it computes
+        return sys.modules["bitsandbytes.functional"].dequantize_4bit(weight.data, state)
+    if _linear_kind(mod, "") == "bitsandbytes 8-bit":  # int8 rows, one scale per row
+        scb = getattr(weight, "SCB", None)
+        if scb is None or weight.dtype != sys.modules["torch"].int8:
+            return None
+        return weight.data.float() * (scb.float()[:, None] / 127.0)
+    if callable(weight) and not hasattr(weight, "dequantize"):  # torch dynamic: weight()
+        weight = weight()
+    dequantize = getattr(weight, "dequantize", None)
+    return dequantize() if callable(dequantize) else None
+
+
 def _base_of(mod):
     """``(W, b)`` of a hooked linear as float32 arrays, dequantized once.
 
-    A float ``nn.Linear`` gives its own weight; a quantized one is measured by
-    running it (``b = f(0)``, ``W = (f(I) - b)^T``): the weight it computes with,
-    whatever library stores it, as PEFT's DoRA dequantizes the base weight.
+    A float ``nn.Linear`` gives its own weight; a quantized one its library's
+    dequantization (as PEFT's DoRA does), or, for a library lorahook does not
+    know how to ask, the module is measured by running it (``b = f(0)``,
+    ``W = (f(I) - b)^T``): the weight it computes with.
     """
     import torch
     d_in, d_out = _shape(mod)
     with torch.inference_mode():
         weight = getattr(mod, "weight", None)
+        bias = getattr(mod, "bias", None)
+        if callable(bias):  # torch's dynamic quantized Linear
+            bias = bias()
+        bias = None if bias is None else bias.detach().float().numpy().copy()
         if type(mod) is torch.nn.Linear and type(weight) in (torch.Tensor, torch.nn.Parameter):
-            w = weight.detach().float().numpy().copy()
-            b = None if mod.bias is None else mod.bias.detach().float().numpy().copy()
-            return w, b
+            return weight.detach().float().numpy().copy(), bias
+        w = _dequantized(mod)
+        if w is not None and tuple(w.shape) == (d_out, d_in):
+            return w.detach().float().numpy().copy(), bias
         dtype = next((p.dtype for p in mod.parameters() if p.is_floating_point()), torch.float32)
         probe = torch.cat([torch.zeros(1, d_in, dtype=dtype), torch.eye(d_in, dtype=dtype)])
         out = mod(probe).float()

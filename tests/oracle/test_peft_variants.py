@@ -211,3 +211,73 @@ def test_dora_layer_equals_a_float64_reference_checked_against_peft():
     based = dora.with_base({(0, "proj"): (w, bias)})
     lorahook.apply_lora_rows(based, 0, "proj", x.astype(np.float32), out)
     _close(out, ref)
+
+
+def test_a_4bit_base_weight_is_what_bitsandbytes_dequantizes(tmp_path):
+    # PEFT's DoRA dequantizes a Linear4bit on each forward; bitsandbytes' CPU backend repacks
+    # the weight on the first forward (scales rounded to bfloat16), after which that
+    # dequantization goes wrong, so PEFT's own DoRA on such a base is no reference here.
+    # lorahook dequantizes with bitsandbytes before the first forward and measures the
+    # module after it: the weight it then computes with.
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "base")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "base", device_map="cpu", quantization_config=transformers.BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
+    from lorahook.torch import _base_of
+    mods = (model.model.layers[0].self_attn.q_proj, model.model.layers[0].mlp.down_proj)
+    want = [bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).numpy() for m in mods]
+    for mod, w4 in zip(mods, want):
+        w, b = _base_of(mod)
+        assert b is None and np.array_equal(w, w4)
+    with torch.inference_mode():
+        model(input_ids=_ids(1))  # repacks every 4-bit weight
+    for mod, w4 in zip(mods, want):
+        w, _ = _base_of(mod)
+        assert np.abs(w - w4).max() <= 2.0 ** -7 * np.abs(w4).max()
+
+
+@pytest.mark.parametrize("bits", [8])
+def test_dora_on_a_bitsandbytes_base_equals_peft(tmp_path, bits):
+    # PEFT dequantizes the base weight for DoRA's norm; attach measures the quantized
+    # linear once (W = f(I) - f(0)) and must reach the same outputs
+    pytest.importorskip("bitsandbytes")
+
+    def wide():  # bitsandbytes packs 4-bit CPU weights in blocks of 64 inputs
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)).eval()
+
+    wide().save_pretrained(tmp_path / "base")
+    quant = (transformers.BitsAndBytesConfig(load_in_8bit=True) if bits == 8 else
+             transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_compute_dtype=torch.float32))
+
+    def quantized():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                tmp_path / "base", quantization_config=quant, device_map="cpu").eval()
+
+    path = _save(wide, tmp_path / "dora", 9, r=4, lora_alpha=8, use_dora=True,
+                 target_modules=["q_proj", "v_proj", "up_proj"])
+    model = quantized()
+    aset = AdapterSet()
+    attached = attach(model, aset)
+    aset.add("dora", LoraAdapter.from_peft(path))
+    ids = _ids(2)
+    with torch.inference_mode():
+        bare = model(input_ids=ids).logits.numpy()
+        with attached.sequences(["dora", None]):
+            got = model(input_ids=ids).logits.numpy()
+        ref = _peft_alone(quantized, path)(input_ids=ids[:1]).logits.numpy()
+    assert np.array_equal(got[1], bare[1])
+    assert np.abs(ref[0] - bare[0]).max() > 1e-2  # the adapter changes the output
+    got, ref = got[0].astype(np.float64), ref[0].astype(np.float64)
+    assert np.abs(got - ref).max() <= 2.5e-4 * np.abs(ref).max()

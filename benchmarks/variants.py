@@ -1,0 +1,55 @@
+"""Print the DoRA-generate and cross-encoder comparisons against PEFT (one run).
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/variants.py [--rounds N]
+
+and the per-row cost of DoRA against plain LoRA of the same rank (the asv
+``bench_rows.DoraRows`` cases, timed here in one process).
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchmarks.bench_rows import DoraRows  # noqa: E402
+
+from lorahook import _bench_variants, threads  # noqa: E402
+
+
+def dora_rows(repeats=9):
+    lines = []
+    for rows in DoraRows.params[0]:
+        for shape in DoraRows.params[1]:
+            med = {}
+            for variant in DoraRows.params[2]:
+                bench = DoraRows()
+                bench.setup(rows, shape, variant)
+                n = max(20, 4000 // rows)
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        bench.time_apply(rows, shape, variant)
+                    times.append((time.perf_counter() - t0) / n)
+                med[variant] = statistics.median(times)
+            lines.append(f"  {rows:4d} rows, {shape[0]} -> {shape[1]}, rank 16: plain "
+                         f"{med['plain'] * 1e6:8.1f} us, DoRA {med['dora'] * 1e6:8.1f} us, "
+                         f"DoRA/plain {med['dora'] / med['plain']:.2f}")
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    print("DoRA row against a plain LoRA row (float32, medians):")
+    print("\n".join(dora_rows()))
+    print(_bench_variants.format_report(_bench_variants.run(rounds=args.rounds)))
+    blas = threads.info().get("blas", {})
+    print(f"BLAS: {blas}")
+
+
+if __name__ == "__main__":
+    main()
