@@ -43,6 +43,7 @@ cdef class LayerKernel:
     cdef readonly int kind         # KIND_LORA, KIND_EMBEDDING, KIND_SAVED_LINEAR, KIND_SAVED_EMBEDDING
     cdef readonly bint needs_base  # a DoRA layer without its base weight: refused before any write
     cdef int pre
+    cdef bint has_pre_add
     cdef const float[::1] pre_mul
     cdef const float[::1] pre_add
 

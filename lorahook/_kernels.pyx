@@ -154,6 +154,7 @@ cdef class LayerKernel:
             self.pre = 2
             if pre_add is not None:
                 self.pre_add = pre_add
+                self.has_pre_add = True
                 if self.pre_add.shape[0] != d_out:
                     raise ValueError(f"pre_add must have shape ({d_out},), got ({self.pre_add.shape[0]},)")
             return
@@ -201,6 +202,7 @@ cdef class LayerKernel:
             self.pre = 1
             self.pre_mul = pre_mul
             self.pre_add = pre_add
+            self.has_pre_add = True
             if self.pre_mul.shape[0] != d_out or self.pre_add.shape[0] != d_out:
                 raise ValueError(f"pre_mul and pre_add must have shape ({d_out},)")
 
@@ -232,7 +234,7 @@ cdef class LayerKernel:
         s.pre = self.pre
         s.d_in = self.d_in
         s.pre_mul = &self.pre_mul[0] if self.pre == 1 else NULL
-        s.pre_add = &self.pre_add[0] if self.pre_add is not None else NULL
+        s.pre_add = &self.pre_add[0] if self.has_pre_add else NULL
 
 
 # ---------------------------------------------------------------------------

@@ -216,3 +216,79 @@ def test_model_level_geometry_and_validation(rng):
                                     intermediate_size=20)
     with pytest.raises(lorahook.LoraValidationError, match="no vocab_size"):
         adapter.validate_against(no_vocab)
+
+
+# --------------------------------------------------------------------------- files and the CLI
+
+from peft_dirs import write_dir  # noqa: E402
+
+P = "base_model.model."
+
+
+def variant_dir(tmp_path, rng, **config):
+    """A PEFT directory with a DoRA layer, an embedding LoRA and a saved score head."""
+    t = {f"{P}model.layers.0.self_attn.q_proj.lora_A.weight": rng.standard_normal((2, H)).astype(np.float32),
+         f"{P}model.layers.0.self_attn.q_proj.lora_B.weight": rng.standard_normal((H, 2)).astype(np.float32),
+         f"{P}model.layers.0.self_attn.q_proj.lora_magnitude_vector": (1 + rng.random(H)).astype(np.float32),
+         f"{P}score.weight": rng.standard_normal((3, H)).astype(np.float32)}
+    cfg = dict(peft_type="LORA", r=2, lora_alpha=4, use_dora=True, modules_to_save=["score"],
+               target_modules=["q_proj"])
+    cfg.update(config)
+    return write_dir(tmp_path / "v", t, cfg)
+
+
+def test_files_with_dora_and_saved_modules_load_and_show(tmp_path, rng, capsys):
+    d = variant_dir(tmp_path, rng)
+    adapter = LoraAdapter.from_peft(d)
+    assert adapter.has_dora and set(adapter.saved_modules) == {(None, "score")}
+    assert adapter.module_paths[(None, "score")] == "score"
+    from lorahook.cli import main
+    assert main(["info", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "use_dora" in out and "saved       score (linear, 12 -> 3" in out
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "hidden_size": 12, "num_hidden_layers": 2, '
+                      '"num_attention_heads": 2, "intermediate_size": 20, "vocab_size": 50, '
+                      '"id2label": {"0": "a", "1": "b", "2": "c"}}')
+    assert main(["validate", str(d), "--model", str(config)]) == 0
+    assert "1 model-level modules" in capsys.readouterr().out
+    config.write_text(config.read_text().replace('"2": "c"', '"2": "c", "3": "d"'))
+    assert main(["validate", str(d), "--model", str(config)]) == 1
+    assert "score" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, tensors, words", [
+    ({"use_dora": False}, {}, "use_dora=false"),
+    ({"modules_to_save": ["score", "model.norm"]},
+     {f"{P}model.norm.weight": np.ones(H, np.float32)}, "cannot be placed"),
+    ({"modules_to_save": ["score", "lm_head"]},
+     {f"{P}lm_head.weight": np.ones(V, np.float32)}, "only linear and embedding modules"),
+    ({"lora_bias": True}, {}, "use_dora with lora_bias"),
+    ({}, {f"{P}model.layers.1.self_attn.q_proj.lora_A.weight": np.ones((2, H, 3, 3), np.float32),
+          f"{P}model.layers.1.self_attn.q_proj.lora_B.weight": np.ones((H, 2, 1, 1), np.float32)},
+     "LoRA on a convolution"),
+])
+def test_refusals_name_what_they_refuse(tmp_path, rng, config, tensors, words):
+    d = variant_dir(tmp_path, rng, **config)
+    if tensors:
+        from safetensors.numpy import load_file, save_file
+        all_tensors = load_file(str(d / "adapter_model.safetensors"))
+        all_tensors.update(tensors)
+        save_file(all_tensors, str(d / "adapter_model.safetensors"))
+    with pytest.raises(lorahook.LoraFormatError, match=words):
+        LoraAdapter.from_peft(d)
+
+
+def test_save_peft_writes_what_it_holds(tmp_path, rng):
+    d = variant_dir(tmp_path, rng)
+    adapter = LoraAdapter.from_peft(d)
+    out = adapter.save_peft(tmp_path / "out")
+    import json
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["use_dora"] is True and config["modules_to_save"] == ["score"]
+    again = LoraAdapter.from_peft(out)
+    for key, layer in adapter.layers.items():
+        assert np.array_equal(again.layers[key].magnitude, layer.magnitude)
+        assert np.array_equal(again.layers[key].a, layer.a)
+    assert np.array_equal(again.saved_modules[(None, "score")].weight,
+                          adapter.saved_modules[(None, "score")].weight)
