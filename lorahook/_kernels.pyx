@@ -357,7 +357,9 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
         else:
             alpha = _down(s, k, c, xr, d_in, t)
             tp = t
-        if s.pre:
+        if s.pre:  # each row transformed, then the delta added by one product
+            # (transforming blocks in cache between smaller products measured slower:
+            # OpenBLAS packs B once per product)
             for j in range(c):
                 _pre(s, Y + _row(s, k + j) * d_out, 0, d_out)
         if consecutive:  # Y += alpha T B^T

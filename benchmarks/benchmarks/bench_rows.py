@@ -265,7 +265,10 @@ class DoraRows:
         layer = _layer(rng, d_in, d_out, 16)
         if variant == "dora":
             weight = (rng.standard_normal((d_out, d_in)) / np.sqrt(d_in)).astype(np.float32)
-            magnitude = np.linalg.norm(weight, axis=1) * 1.1
+            # g = 1: the output neither grows nor decays over repeated calls (a decaying
+            # one would time denormal arithmetic, not the kernel)
+            magnitude = np.linalg.norm(weight.astype(np.float64) + layer.scale
+                                       * layer.b.astype(np.float64) @ layer.a, axis=1)
             layer = LoraLayer(layer.a, layer.b, layer.scale,
                               magnitude=magnitude).with_base(weight, np.zeros(d_out, np.float32))
         self.adapter = LoraAdapter({(0, "q_proj"): layer})
