@@ -18,22 +18,25 @@ from benchmarks.bench_rows import DoraRows  # noqa: E402
 from lorahook import _bench_variants, threads  # noqa: E402
 
 
-def dora_rows(repeats=9):
+def dora_rows(repeats=31):
+    """DoRA/plain per shape: the two timed in alternation, on the same input and output."""
     lines = []
     for rows in DoraRows.params[0]:
         for shape in DoraRows.params[1]:
-            med = {}
+            benches = {}
             for variant in DoraRows.params[2]:
-                bench = DoraRows()
-                bench.setup(rows, shape, variant)
-                n = max(20, 4000 // rows)
-                times = []
-                for _ in range(repeats):
+                benches[variant] = DoraRows()
+                benches[variant].setup(rows, shape, variant)
+            benches["dora"].x, benches["dora"].y = benches["plain"].x, benches["plain"].y
+            n = max(10, 2000 // rows)
+            times = {variant: [] for variant in benches}
+            for _ in range(repeats):
+                for variant, bench in benches.items():
                     t0 = time.perf_counter()
                     for _ in range(n):
                         bench.time_apply(rows, shape, variant)
-                    times.append((time.perf_counter() - t0) / n)
-                med[variant] = statistics.median(times)
+                    times[variant].append((time.perf_counter() - t0) / n)
+            med = {variant: statistics.median(t) for variant, t in times.items()}
             lines.append(f"  {rows:4d} rows, {shape[0]} -> {shape[1]}, rank 16: plain "
                          f"{med['plain'] * 1e6:8.1f} us, DoRA {med['dora'] * 1e6:8.1f} us, "
                          f"DoRA/plain {med['dora'] / med['plain']:.2f}")
