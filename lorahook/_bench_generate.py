@@ -139,6 +139,19 @@ def contenders(base, peft_model, hooked, attached, inputs):
     return {"base": run_base, "peft": run_peft, "lorahook": run_lorahook}
 
 
+def timed(calls, rounds):
+    """Each call once (a warm-up, whose results are returned), then ``rounds`` rounds of
+    every call in turn; returns ``(results, median seconds by name)``."""
+    outs = {name: fn() for name, fn in calls.items()}
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return outs, {name: float(np.median(t)) for name, t in times.items()}
+
+
 def run(rounds=7, torch_threads=2, dtype="float32", quant=None):
     """Time the three contenders; returns a dict of medians (seconds) and ratios."""
     import torch
@@ -150,19 +163,10 @@ def run(rounds=7, torch_threads=2, dtype="float32", quant=None):
     torch.set_num_threads(torch_threads)
     try:
         with tempfile.TemporaryDirectory(prefix="lorahook-bench-") as workdir:
-            parts = build(workdir, dtype, quant)
-            calls = contenders(*parts)
-            outs = {name: fn() for name, fn in calls.items()}  # warm-up, and the check below
-            times = {name: [] for name in calls}
-            for _ in range(rounds):
-                for name, fn in calls.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
+            outs, med = timed(contenders(*build(workdir, dtype, quant)), rounds)
     finally:
         torch.set_num_threads(old)
         threads.configure(blas_threads=previous)
-    med = {name: float(np.median(t)) for name, t in times.items()}
     return {
         "median": med,
         "lorahook/base": med["lorahook"] / med["base"],

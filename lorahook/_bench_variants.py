@@ -24,11 +24,8 @@ torch, transformers and peft (``ImportError`` otherwise).
 """
 import copy
 import tempfile
-import time
 
-import numpy as np
-
-from ._bench_generate import GENERATE_CONFIG, TARGETS
+from ._bench_generate import GENERATE_CONFIG, TARGETS, timed as _timed
 
 __all__ = ["build_dora", "dora_contenders", "build_rerankers", "reranker_contenders", "run",
            "format_report"]
@@ -157,17 +154,6 @@ def reranker_contenders(base, attached, peft_model, inputs, names):
             return peft_model(**inputs, adapter_names=names).logits
 
     return {"peft": run_peft, "lorahook": run_lorahook}
-
-
-def _timed(calls, rounds):
-    outs = {name: fn() for name, fn in calls.items()}  # warm-up, and the check
-    times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return outs, {name: float(np.median(t)) for name, t in times.items()}
 
 
 def run(rounds=5, torch_threads=2):
