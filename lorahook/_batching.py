@@ -42,7 +42,26 @@ import warnings
 import weakref
 from collections.abc import Mapping
 
-__all__ = ["batch"]
+__all__ = ["batch", "DONE"]
+
+
+class _Done:
+    """The marker a streaming batch yields for an item that is finished."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return "lorahook.ray_serve.DONE"
+
+    def __reduce__(self):
+        return "DONE"
+
+
+#: Yielded by a streaming batch function, in an item's place, once that item is finished.
+DONE = _Done()
+
+# What a streaming caller's queue carries.
+_CHUNK, _END, _ERROR = 0, 1, 2
 
 
 def _found(value):
@@ -123,26 +142,45 @@ def _replica_max_ongoing_requests():
 
 
 class _Call:
-    """One pending ``await f(adapter_name, item)``."""
+    """One pending ``await f(adapter_name, item)`` (or, streaming, ``f(adapter_name, item)``).
 
-    __slots__ = ("name", "item", "future", "arrival")
+    ``future`` is done once the call has its result, its error, or (streaming)
+    is finished or abandoned by its caller; a streaming call's chunks go
+    through ``stream``.
+    """
 
-    def __init__(self, name, item, future, arrival):
+    __slots__ = ("name", "item", "future", "arrival", "stream")
+
+    def __init__(self, name, item, future, arrival, stream=None):
         self.name = name
         self.item = item
         self.future = future
         self.arrival = arrival
+        self.stream = stream
 
 
 def _fail(calls, exc):
     for call in calls:
         if not call.future.done():
-            call.future.set_exception(exc)
+            if call.stream is not None:
+                call.stream.put_nowait((_ERROR, exc))
+                call.future.set_result(None)
+            else:
+                call.future.set_exception(exc)
 
 
 def _cancel(calls):
     for call in calls:
+        if call.stream is not None and not call.future.done():
+            call.stream.put_nowait((_ERROR, asyncio.CancelledError()))
         call.future.cancel()
+
+
+def _finish(call):
+    """A streaming call is done: its caller's iteration ends."""
+    if not call.future.done():
+        call.stream.put_nowait((_END, None))
+        call.future.set_result(None)
 
 
 def _wake(future):
@@ -327,6 +365,7 @@ class _Batcher:
     def __init__(self, func, is_method, max_batch_size, batch_wait_timeout_s, max_adapters):
         self.func = func
         self.is_method = is_method
+        self.streaming = inspect.isasyncgenfunction(func)
         self.qualname = getattr(func, "__qualname__", repr(func))
         self.max_batch_size = max_batch_size
         self.batch_wait_timeout_s = batch_wait_timeout_s
@@ -412,6 +451,30 @@ class _Batcher:
             queue.discard(call)
             raise
 
+    async def submit_stream(self, owner, adapter_name, item):
+        """A streaming call: its chunks as they come, until its item is finished.
+
+        A caller that stops iterating (closes the iterator, or is cancelled)
+        leaves its batch running for the others; its later chunks are dropped.
+        """
+        loop = asyncio.get_running_loop()
+        queue = self._queue(owner, loop)
+        call = _Call(adapter_name, item, loop.create_future(), loop.time(), asyncio.Queue())
+        queue.put(call, owner)
+        try:
+            while True:
+                kind, value = await call.stream.get()
+                if kind == _CHUNK:
+                    yield value
+                elif kind == _END:
+                    return
+                else:
+                    raise value
+        finally:
+            if not call.future.done():  # the caller left early: the batch drops its chunks
+                call.future.cancel()
+                queue.discard(call)
+
     # -- running a batch ----------------------------------------------------
 
     def start(self, loop, owner, calls):
@@ -419,10 +482,42 @@ class _Batcher:
         names = [call.name for call in calls]
         items = [call.item for call in calls]
         args = (owner, names, items) if self.is_method else (names, items)
+        if self.streaming:
+            return loop.create_task(self._run_stream(args, calls))
         return loop.create_task(self._run(args))
 
     async def _run(self, args):
         return await self.func(*args)
+
+    async def _run_stream(self, args, calls):
+        """Hand each step's chunks to their callers as the function yields them."""
+        steps = self.func(*args)
+        open_calls = set(range(len(calls)))
+        try:
+            async for step in steps:
+                if isinstance(step, (str, bytes, bytearray, Mapping)) or not hasattr(step, "__len__"):
+                    raise TypeError(f"{self.qualname} must yield a list with one chunk (or DONE) "
+                                    f"per item, found {_found(step)}")
+                if len(step) != len(calls):
+                    raise ValueError(
+                        f"{self.qualname} yielded {len(step)} chunks for a batch of {len(calls)} "
+                        f"items; each step must hold one chunk (or DONE) per item, in order")
+                for i, chunk in enumerate(step):
+                    if i not in open_calls:
+                        continue
+                    call = calls[i]
+                    if chunk is DONE or call.future.done():  # finished, or its caller left
+                        _finish(call)
+                        open_calls.discard(i)
+                    else:
+                        call.stream.put_nowait((_CHUNK, chunk))
+                if not open_calls:
+                    break  # every item is finished: the function need not run on
+        finally:
+            await steps.aclose()
+        for i in open_calls:  # the function ended: so did its items
+            _finish(calls[i])
+        return [None] * len(calls)
 
     def deliver(self, calls, task):
         """Hand each caller of a finished batch its result, or the batch's exception."""
@@ -430,6 +525,8 @@ class _Batcher:
             exc = task.exception()
         except asyncio.CancelledError as cancelled:  # a CancelledError inside the function
             exc = cancelled
+        if exc is None and self.streaming:
+            return  # every call was finished as its chunks came
         if exc is None:
             results = task.result()
             if isinstance(results, (str, bytes, bytearray, Mapping)) or not hasattr(results, "__len__"):
@@ -456,11 +553,7 @@ class _Batcher:
 def _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters):
     if not callable(func):
         raise TypeError(f"batch decorates an 'async def' function, found {_found(func)}")
-    if inspect.isasyncgenfunction(func):
-        raise TypeError(
-            f"batch decorates an 'async def' function returning a list, found the async "
-            f"generator function {func.__qualname__}; batch does not stream results")
-    if not inspect.iscoroutinefunction(func):
+    if not inspect.iscoroutinefunction(func) and not inspect.isasyncgenfunction(func):
         raise TypeError(
             f"batch decorates an 'async def' function, found the regular function "
             f"{getattr(func, '__qualname__', func)!r}")
@@ -477,7 +570,13 @@ def _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters):
     is_method = len(params) == 3
     batcher = _Batcher(func, is_method, max_batch_size, batch_wait_timeout_s, max_adapters)
 
-    if is_method:
+    if batcher.streaming and is_method:
+        def wrapper(self, adapter_name, item, /):
+            return batcher.submit_stream(self, _check_adapter_name(adapter_name), item)
+    elif batcher.streaming:
+        def wrapper(adapter_name, item, /):
+            return batcher.submit_stream(None, _check_adapter_name(adapter_name), item)
+    elif is_method:
         async def wrapper(self, adapter_name, item, /):
             return await batcher.submit(self, adapter_name, item)
     else:
@@ -526,6 +625,20 @@ def batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_adapters=None):
         fits).  A call whose adapter does not fit on its own fails with
         ``ValueError``; if ``fits`` raises, or returns something other than a
         ``bool`` (``TypeError``), that error goes to the call being placed.
+
+    Streaming
+        When ``f`` is an async generator function (``async def`` with
+        ``yield``), the decorated function streams: a caller iterates
+        ``async for chunk in obj.f(adapter_name, item)``.  ``f`` yields, once
+        per step, a list with one entry per item of its batch: a chunk for that
+        item's caller, or :data:`DONE` once that item is finished (later
+        entries for it are ignored).  A caller's iteration ends when its item
+        is done (or when ``f`` returns), not when its batch is; ``f`` is closed
+        once every item is done.  A caller that stops iterating (closes its
+        iterator, or is cancelled) leaves the batch running for the others and
+        its later chunks are dropped; an exception from ``f``, or a step of the
+        wrong length (``ValueError``), reaches the callers whose items were not
+        finished yet.
 
     Concurrency and context
         The batches of one instance run one at a time (different instances,
