@@ -526,7 +526,29 @@ def build_parser():
     p.add_argument("--time", type=float, default=1.0, metavar="SECONDS",
                    help="time budget for the speed measurement, 0 to skip (default 1)")
     p.set_defaults(func=cmd_demo)
+
+    from . import serve
+    p = sub.add_parser("serve", help="an OpenAI-compatible server for a model and its adapters",
+                       description="Serve a transformers causal LM and PEFT adapters over "
+                                   "OpenAI's API (/v1/models, /v1/completions, "
+                                   "/v1/chat/completions, streaming), on Ray Serve: requests for "
+                                   "different adapters share batches. Needs "
+                                   "pip install 'lorahook[serve]'. Stops on SIGINT or SIGTERM.")
+    serve.add_arguments(p)
+    p.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args, out):
+    from . import serve
+    try:
+        import fastapi  # noqa: F401
+        import ray.serve  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise CommandError(f"needs Ray Serve, FastAPI and transformers ({exc}): "
+                           f"pip install 'lorahook[serve]'", EXIT_USAGE) from None
+    return serve.main(args, out)
 
 
 def _version():
