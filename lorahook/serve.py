@@ -17,7 +17,6 @@ Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``import lorahook`` never imports this module; it imports ray, fastapi,
 torch and transformers when the server is built.
 """
-import argparse
 import asyncio
 import json
 import os
@@ -30,6 +29,9 @@ import uuid
 __all__ = ["add_arguments", "main", "build_app", "parse_completion"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# A stream sends what it has at most this often after its first token (each event
+# costs the replica and Ray's proxy more than a decode step of a small model).
+_FLUSH_S = 0.05
 _DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}
 
 
@@ -153,6 +155,8 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
                                                 resolver=self._resolve)
             self.attached = attach(self.model, self.adapters)
             self.load = multiplexed(self.adapters, 64)
+            self.batches = []  # (requests, distinct adapters) of recent batches
+            self.steps, self.step_seconds = 0, 0.0
 
         # --- adapters ------------------------------------------------------
 
@@ -203,8 +207,13 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
             from lorahook._engine import Batch
             run = Batch(self.model, self.tokenizer, self.attached, names, requests, self.pad,
                         self.eos)
+            self.batches.append((len(names), len({n for n in names if n is not None})))
+            del self.batches[:-1000]
             while not run.done:
+                start = time.perf_counter()
                 reports = await asyncio.to_thread(run.step)
+                self.step_seconds += time.perf_counter() - start
+                self.steps += 1
                 yield [DONE if report is None else
                        (report[0], report[1], run.completion_tokens(i))
                        for i, report in enumerate(reports)]
@@ -220,6 +229,13 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
         @api.get("/health")
         async def health(self):
             return {"status": "ok"}
+
+        @api.get("/lorahook/stats")
+        async def stats(self, request: HttpRequest):
+            """This replica's recent batches and steps, and its adapter set's counters."""
+            self._check_key(request)
+            return {"batches": self.batches[-100:], "steps": self.steps,
+                    "step_seconds": self.step_seconds, "adapters": self.adapters.stats()}
 
         @api.get("/v1/models")
         async def models(self, request: HttpRequest):
@@ -294,10 +310,17 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
                                     f"ids in [0, {vocab})", "prompt")
 
         async def _events(self, stream, meta):
+            """Server-sent events: the first token at once, then what came in each
+            ``_FLUSH_S`` (a few tokens per event under load), then ``[DONE]``."""
+            loop = asyncio.get_running_loop()
             try:
-                used = 0
-                async for delta, finish, used in stream:
-                    yield "data: " + json.dumps(_chunk(meta, delta, finish)) + "\n\n"
+                held, last = [], None
+                async for delta, finish, _ in stream:
+                    held.append(delta)
+                    now = loop.time()
+                    if finish is not None or last is None or now - last >= _FLUSH_S:
+                        yield "data: " + json.dumps(_chunk(meta, "".join(held), finish)) + "\n\n"
+                        held, last = [], now
                     if finish is not None:
                         break
                 yield "data: [DONE]\n\n"

@@ -12,10 +12,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
@@ -38,17 +34,12 @@ openai = _need("openai")
 httpx = _need("httpx")
 
 import serve_files  # noqa: E402
+from lorahook._bench_serve import start_server  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 KEY = "sk-lorahook-test"
 NAMES = ("alpha", "beta", "gamma")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,27 +48,14 @@ def server(tmp_path_factory):
     model_dir, adapters = serve_files.save_all(str(tmp), NAMES)
     spare = serve_files.save_adapter(str(tmp / "spare"), 7)
     spare2 = serve_files.save_adapter(str(tmp / "spare2"), 8)
-    port = _free_port()
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lorahook", "serve", model_dir, "--adapters", adapters,
-         "--port", str(port), "--api-key", KEY, "--allow-runtime-adapters",
-         "--max-batch-size", "8"],
-        cwd=str(tmp), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("lorahook serve: http"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(300):
-        proc.kill()
-        pytest.fail("the server did not start:\n" + "".join(lines[-40:]))
-    info = dict(proc=proc, url=f"http://127.0.0.1:{port}", model_dir=model_dir,
+    try:
+        proc, url = start_server(model_dir, adapters, "--api-key", KEY,
+                                 "--allow-runtime-adapters", "--max-batch-size", "8",
+                                 cwd=str(tmp), lines=lines)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    info = dict(proc=proc, url=url, model_dir=model_dir,
                 adapters=adapters, spare=spare, spare2=spare2, lines=lines,
                 base=os.path.basename(model_dir))
     yield info
@@ -182,9 +160,15 @@ def test_concurrent_mixed_requests_are_all_right(server, client, tokenizer):
         return name, client.completions.create(model=name, prompt=prompt, max_tokens=8,
                                                temperature=0).choices[0].text
 
+    before = len(httpx.get(server["url"] + "/lorahook/stats", timeout=30,
+                           headers={"Authorization": f"Bearer {KEY}"}).json()["batches"])
     with concurrent.futures.ThreadPoolExecutor(24) as ex:
         got = list(ex.map(ask, range(24)))
     assert [text for _, text in got] == [want[name] for name, _ in got]
+    batches = httpx.get(server["url"] + "/lorahook/stats", timeout=30,
+                        headers={"Authorization": f"Bearer {KEY}"}).json()["batches"][before:]
+    assert sum(n for n, _ in batches) == 24
+    assert max(k for _, k in batches) >= 2  # requests for different adapters shared a batch
 
 
 def test_errors_are_openai_error_objects(server, client):
