@@ -292,3 +292,28 @@ def test_save_peft_writes_what_it_holds(tmp_path, rng):
         assert np.array_equal(again.layers[key].a, layer.a)
     assert np.array_equal(again.saved_modules[(None, "score")].weight,
                           adapter.saved_modules[(None, "score")].weight)
+
+
+@pytest.mark.parametrize("n", [3, 40])  # the row loop and the batched path
+def test_saved_modules_and_dora_on_half_rows(rng, n):
+    ml = pytest.importorskip("ml_dtypes")
+    w, bias = rng.standard_normal((5, H)), rng.standard_normal(5)
+    a, b, wd, bd, m, scale = dora_parts(rng, d_in=H, d_out=5)
+    saved = LoraAdapter({}, saved_modules={(None, "score"): SavedModule(w, bias)})
+    dora = LoraAdapter({(None, "score"): LoraLayer(a, b, scale, magnitude=m)}).with_base(
+        {(None, "score"): (wd, bd)})
+    x = rng.standard_normal((n, H))
+    for dt, eps in ((np.float16, 2.0 ** -11), (ml.bfloat16, 2.0 ** -8)):
+        xh = x.astype(dt)
+        x64 = xh.astype(np.float64)
+        out = rng.standard_normal((n, 5)).astype(dt)
+        lorahook.apply_lora_rows(saved, None, "score", xh, out)
+        ref = x64 @ w.T + bias
+        assert np.abs(out.astype(np.float64) - ref).max() <= 4 * eps * np.abs(ref).max()
+        y = (x64 @ wd.T + bd).astype(dt)
+        out = y.copy()
+        lorahook.apply_lora_rows(dora, None, "score", xh, out)
+        g = m / np.linalg.norm(wd + scale * b @ a, axis=1)
+        y64 = y.astype(np.float64)
+        ref = y64 + (g - 1) * (y64 - bd) + g * (scale * (x64 @ a.T) @ b.T)
+        assert np.abs(out.astype(np.float64) - ref).max() <= 4 * eps * np.abs(ref).max()
