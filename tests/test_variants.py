@@ -317,3 +317,18 @@ def test_saved_modules_and_dora_on_half_rows(rng, n):
         y64 = y.astype(np.float64)
         ref = y64 + (g - 1) * (y64 - bd) + g * (scale * (x64 @ a.T) @ b.T)
         assert np.abs(out.astype(np.float64) - ref).max() <= 4 * eps * np.abs(ref).max()
+
+
+def test_a_bare_file_with_embedding_lora_and_its_saved_base_weight(tmp_path, rng):
+    from safetensors.numpy import save_file
+    a, b = rng.standard_normal((2, V)).astype(np.float32), rng.standard_normal((H, 2)).astype(np.float32)
+    save_file({f"{P}model.embed_tokens.lora_embedding_A": a,
+               f"{P}model.embed_tokens.lora_embedding_B": b,
+               f"{P}model.embed_tokens.base_layer.weight": np.ones((V, H), np.float32)},
+              str(tmp_path / "bare.safetensors"))
+    with pytest.warns(UserWarning, match="base_layer.weight.*not applied"):
+        adapter = LoraAdapter.from_safetensors(tmp_path / "bare.safetensors", alpha=4)
+    ids = np.array([3, 0, V - 1])
+    out = np.zeros((3, H), np.float32)
+    apply_lora_embedding(adapter, None, "embed_tokens", ids, out)
+    close(out, (2.0 * b.astype(np.float64) @ a[:, ids]).T)

@@ -117,13 +117,23 @@ def _classify_non_factor(name: str) -> str:
     return "not a LoRA factor (lora_A / lora_B); full-weight tensors are not supported"
 
 
+class Parsed(NamedTuple):
+    """A file's tensor names, grouped: ``lora`` maps a key to ``{"path", "A", "B", "bias",
+    "M", "embedding"}``, ``saved`` a key to ``{"path", "weight", "bias"}`` (modules saved
+    whole), and ``ignored`` lists the base weights PEFT saves beside embedding LoRA."""
+
+    lora: Mapping[Tuple[int, str], Mapping]
+    saved: Mapping[Tuple[int, str], Mapping]
+    ignored: Tuple[str, ...]
+
+
 def _parse_tensors(
     file_tensors: Mapping[str, dict], where: str, ignore_velora: bool, modules_to_save=None
-) -> Dict[Tuple[int, str], dict]:
-    """Group tensor names into per-projection entries ``{key: {"path", "A", "B", "bias", "M"}}``
-    (``"embedding": True`` for embedding factors); modules saved whole go under
-    ``{("saved", key): {"path", "weight", "bias"}}``."""
+) -> Parsed:
+    """Group tensor names into :class:`Parsed` entries (read-only)."""
     entries: Dict[Tuple[int, str], dict] = {}
+    saved_entries: Dict[Tuple[int, str], dict] = {}
+    ignored = []
     keys: Dict[str, Tuple[int, str]] = {}  # lora_A and lora_B of a module share its path
     match = _FACTOR_RE.match
     for name in sorted(file_tensors):
@@ -143,13 +153,13 @@ def _parse_tensors(
             if spath and spath.startswith(PEFT_PREFIX):
                 spath = spath[len(PEFT_PREFIX):]
             if saved and _saved_target(spath, modules_to_save):
-                _add_saved(entries, spath, saved.group("param"), name, where)
+                _add_saved(saved_entries, spath, saved.group("param"), name, where)
                 continue
             if (saved and spath.endswith(".base_layer") and saved.group("param") == "weight"
                     and place(spath[: -len(".base_layer")]) is not None
                     and place(spath[: -len(".base_layer")])[0] is None):
                 # PEFT saves the base embedding / lm_head beside their LoRA (save_embedding_layers)
-                entries.setdefault(("ignored",), []).append(name)
+                ignored.append(name)
                 continue
             raise LoraFormatError(f"{where}: tensor {name!r} is {_classify_non_factor(name)}")
         if path.startswith(PEFT_PREFIX):
@@ -184,8 +194,6 @@ def _parse_tensors(
             )
         entry[slot] = name
     for key, entry in entries.items():
-        if key[0] in ("saved", "ignored"):
-            continue
         for have, need in (("A", "B"), ("B", "A"), ("bias", "B"), ("M", "A")):
             if have in entry and need not in entry:
                 missing = (("lora_embedding_A" if need == "A" else "lora_embedding_B")
@@ -194,7 +202,9 @@ def _parse_tensors(
                 raise LoraFormatError(
                     f"{where}: tensor {entry[have]!r} has no matching {missing} for module {entry['path']!r}"
                 )
-    return entries
+    return Parsed(MappingProxyType({k: MappingProxyType(e) for k, e in entries.items()}),
+                  MappingProxyType({k: MappingProxyType(e) for k, e in saved_entries.items()}),
+                  tuple(ignored))
 
 
 def _add_saved(entries: dict, path: str, param: str, name: str, where: str) -> None:
@@ -203,31 +213,27 @@ def _add_saved(entries: dict, path: str, param: str, name: str, where: str) -> N
         key = module_key(path)
     except LoraFormatError as exc:
         raise LoraFormatError(f"{where}: tensor {name!r} of modules_to_save: {exc}") from None
-    entry = entries.setdefault(("saved", key), {"path": path})
+    entry = entries.setdefault(key, {"path": path})
     if entry["path"] != path or param in entry:
         raise LoraFormatError(f"{where}: duplicate modules_to_save tensors for {key}: {name!r}")
     entry[param] = name
 
 
-def _entries(file_tensors: Mapping[str, dict], where: str, ignore_velora: bool, modules_to_save=None):
-    """:func:`_parse_tensors`, read-only, kept with a kept layout (a refusal is not kept)."""
+def _entries(file_tensors: Mapping[str, dict], where: str, ignore_velora: bool,
+             modules_to_save=None) -> Parsed:
+    """:func:`_parse_tensors`, kept with a kept layout (a refusal is not kept)."""
     saved = tuple(modules_to_save or ())
-    return kept_derived(file_tensors, ("entries", ignore_velora, saved), lambda: MappingProxyType(
-        {key: (MappingProxyType(entry) if isinstance(entry, dict) else tuple(entry))
-         for key, entry in _parse_tensors(file_tensors, where, ignore_velora, saved).items()}))
+    return kept_derived(file_tensors, ("entries", ignore_velora, saved),
+                        lambda: _parse_tensors(file_tensors, where, ignore_velora, saved))
 
 
-def _split(entries):
-    """``(LoRA entries, saved entries by key, ignored tensor names)`` of :func:`_entries`."""
-    lora, saved, ignored = {}, {}, ()
-    for key, entry in entries.items():
-        if key[0] == "saved":
-            saved[key[1]] = entry
-        elif key[0] == "ignored":
-            ignored = entry
-        else:
-            lora[key] = entry
-    return lora, saved, ignored
+def _warn_ignored(parsed: Parsed, where: str) -> None:
+    if parsed.ignored:
+        warnings.warn(
+            f"{where}: the base weights PEFT saved beside the LoRA of an embedding or lm_head "
+            f"({', '.join(parsed.ignored)}) are not applied: lorahook adds the LoRA to the "
+            f"model's own module (a model whose vocabulary was resized must be resized and "
+            f"loaded with those weights itself)", UserWarning, stacklevel=4)
 
 
 def _check_saved(file_tensors: Mapping[str, dict], key, entry, where: str) -> None:
@@ -291,19 +297,19 @@ def _check_factor_shapes(file_tensors: Mapping[str, dict], entry: dict, where: s
 
 def _collect(
     weights: SafetensorsFile,
-    entries: Mapping[Tuple[int, str], dict],
+    parsed: Parsed,
     scales: Mapping[Tuple[int, str], float],
     name: Optional[str],
     metadata: Dict[str, str],
 ) -> AdapterData:
-    """Read the tensors of ``entries`` from the open ``weights`` into plain data.
+    """Read the tensors of ``parsed`` from the open ``weights`` into plain data.
 
     One read (:meth:`SafetensorsFile.read_float32`, through the descriptor the header came
     from): every value is copied once from the file into the array a layer keeps, ``lora_B``
     transposed on the way (the ``B^T`` layout the kernels use), and refused if it is not finite.
     """
     weights_path = weights.path
-    entries, saved, _ = _split(entries)
+    entries, saved = parsed.lora, parsed.saved
     if not entries and not saved:
         raise LoraFormatError(f"{weights_path}: holds no LoRA weights")
     wanted = [n for e in entries.values() for n in (e["A"], e["B"], e.get("bias"), e.get("M"))
@@ -322,11 +328,11 @@ def _collect(
     return AdapterData(layers, name=name, metadata=metadata, source=str(weights_path), saved=kept)
 
 
-def _checked_scales(file_tensors, entries, config: PeftLoraConfig, where: str) -> Dict[Tuple[int, str], float]:
+def _checked_scales(file_tensors, parsed: Parsed, config: PeftLoraConfig, where: str) -> Dict[Tuple[int, str], float]:
     """Each entry's scale, once its shapes, rank and bias agree with the config (else raises)."""
     scales = {}
-    entries, saved, _ = _split(entries)
-    for key, entry in saved.items():
+    entries = parsed.lora
+    for key, entry in parsed.saved.items():
         _check_saved(file_tensors, key, entry, where)
     for key, entry in entries.items():
         rank = _check_factor_shapes(file_tensors, entry, where)
@@ -416,16 +422,10 @@ def read_peft(path: os.PathLike) -> AdapterData:
         header = weights.header
         file_tensors, file_meta = header[:2]
         where = str(weights_path)
-        entries = _entries(file_tensors, where, config.velora, config.modules_to_save)
-        ignored = _split(entries)[2]
-        if ignored:
-            warnings.warn(
-                f"{where}: the base weights PEFT saved beside the LoRA of an embedding or lm_head "
-                f"({', '.join(ignored)}) are not applied: lorahook adds the LoRA to the model's own "
-                f"module (a model whose vocabulary was resized must be resized and loaded "
-                f"with those weights itself)", UserWarning, stacklevel=3)
+        parsed = _entries(file_tensors, where, config.velora, config.modules_to_save)
+        _warn_ignored(parsed, where)
         def checked_scales():
-            return MappingProxyType(_checked_scales(file_tensors, entries, config, where))
+            return MappingProxyType(_checked_scales(file_tensors, parsed, config, where))
 
         # one layout under one config has one set of scales: kept with the layout (small configs)
         scales = (kept_derived(file_tensors, ("scales", raw_config), checked_scales)
@@ -437,7 +437,7 @@ def read_peft(path: os.PathLike) -> AdapterData:
         if config.revision and "revision" not in metadata and isinstance(config.revision, str):
             metadata["revision"] = config.revision
         name = metadata.get("name") or directory.resolve().name or None
-        return _collect(weights, entries, scales, name, metadata)
+        return _collect(weights, parsed, scales, name, metadata)
 
 
 def read_safetensors_adapter(path: os.PathLike, alpha: Optional[float] = None) -> AdapterData:
@@ -469,9 +469,10 @@ def read_safetensors_adapter(path: os.PathLike, alpha: Optional[float] = None) -
                     if not math.isfinite(alpha):
                         raise LoraFormatError(f"{where}: header metadata {k}={file_meta[k]!r} is not finite")
                     break
-        entries = _entries(file_tensors, where, False)
+        parsed = _entries(file_tensors, where, False)
+        _warn_ignored(parsed, where)
         scales = {}
-        for key, entry in entries.items():
+        for key, entry in parsed.lora.items():
             rank = _check_factor_shapes(file_tensors, entry, where)
             if rank == 0:
                 scales[key] = 1.0
@@ -483,4 +484,4 @@ def read_safetensors_adapter(path: os.PathLike, alpha: Optional[float] = None) -
                 scales[key] = check_scale(scale, f"module {entry['path']!r}: alpha={short(alpha)} with rank {rank}", where)
         metadata = _file_metadata(file_meta)
         name = metadata.get("name") or weights_path.stem
-        return _collect(weights, entries, scales, name, metadata)
+        return _collect(weights, parsed, scales, name, metadata)
