@@ -18,7 +18,7 @@ from .hook import LoraHook
 from .models import EMBEDDING_MODULES, BertConfig, ModelGeometry
 from ._arrays import (_FLOAT32, _WEIGHT_DTYPES, _adoptable, _as_float32, _check_bias_shape,
                       _check_factor_shapes, _dora_terms, _finite_scale, _owned_float32,
-                      _owned_vector, _rounded, _weight_dtype)
+                      _rounded, _weight_dtype)
 from .saved import SavedModule
 
 __all__ = ["LoraLayer", "LoraAdapter", "SavedModule", "blend", "key_order"]
@@ -69,8 +69,8 @@ class LoraLayer:
             _check_bias_shape(a, b, bias)
         embedding = bool(embedding)
         if magnitude is not None:
-            magnitude = _owned_vector(magnitude, "magnitude", b.shape[1], "")
-        _check_variant(bias, magnitude, embedding)
+            magnitude = _owned_float32(magnitude, "magnitude", 1)
+        _check_variant(a, b, bias, embedding, magnitude)
         self._init(a, b, scale, bias, embedding, magnitude, None)
 
     def _init(self, a, bt, scale, bias, embedding=False, magnitude=None, dora=None):
@@ -96,13 +96,14 @@ class LoraLayer:
         object.__setattr__(self, "_kernel", kernel)
 
     @classmethod
-    def _adopt(cls, a, bt, scale, bias=None):
+    def _adopt(cls, a, bt, scale, bias=None, embedding=False, magnitude=None, dora=None):
         """A layer that keeps ``a``, ``bt`` (``B^T``, ``(rank, d_out)``) and ``bias`` as they are.
 
         For arrays already checked finite that this layer may keep: a file reader's
         fresh float32 arrays, or unpickled ones (float32 or 16-bit weights, all of one
-        dtype).  They must be native, C-contiguous and read-only.  Shapes, ranks and the
-        scale are checked as :class:`LoraLayer` checks them; nothing is copied.
+        dtype; a magnitude and DoRA's base terms in float32).  They must be native,
+        C-contiguous and read-only.  Shapes, ranks, the scale and the variant are checked
+        as :class:`LoraLayer` checks them; nothing is copied.
         """
         dtype = a.dtype if isinstance(a, np.ndarray) and a.dtype.name in _WEIGHT_DTYPES \
             and a.dtype.isnative else _FLOAT32
@@ -113,16 +114,19 @@ class LoraLayer:
         if bias is not None:
             _adoptable(bias, "bias", 1, dtype)
             _check_bias_shape(a, bt, bias)
-        self = cls.__new__(cls)
-        self._init(a, bt, scale, bias)
-        return self
+        if magnitude is not None:
+            _adoptable(magnitude, "magnitude", 1)
+        for name, arr, nd in zip(("g", "(1 - g) b", "g B^T", "a"), dora or (), (1, 1, 2, 2)):
+            _adoptable(arr, name, nd)
+        _check_variant(a, bt, bias, bool(embedding), magnitude, dora)
+        return cls._trusted(a, bt, scale, bias, bool(embedding), magnitude, dora)
 
     @classmethod
-    def _trusted(cls, a, bt, scale, bias):
+    def _trusted(cls, a, bt, scale, bias, embedding=False, magnitude=None, dora=None):
         # For arrays checked as a layer checks them (those of a layer, or what a file reader
         # returned: lorahook.files.LayerData): no copy, and no check but the kernel's.
         self = cls.__new__(cls)
-        self._init(a, bt, float(scale), bias)
+        self._init(a, bt, float(scale), bias, embedding, magnitude, dora)
         return self
 
     def __setattr__(self, name, value):
@@ -136,18 +140,7 @@ class LoraLayer:
 
     def _like(self, a, bt, scale, bias, dora):
         """A layer of this one's variant (embedding, magnitude) with other arrays."""
-        out = LoraLayer.__new__(LoraLayer)
-        out._init(a, bt, scale, bias, self._embedding, self._magnitude, dora)
-        return out
-
-    def _like_variant(self, embedding, magnitude, dora):
-        """This layer's arrays as another variant (checked by the caller)."""
-        if dora is not None and (dora[2].shape != self._bt.shape or dora[3].shape != self._a.shape
-                                 or magnitude is None):
-            raise ValueError("DoRA terms that do not match the layer's factors")
-        out = LoraLayer.__new__(LoraLayer)
-        out._init(self._a, self._bt, self._scale, self._bias, embedding, magnitude, dora)
-        return out
+        return LoraLayer._trusted(a, bt, scale, bias, self._embedding, self._magnitude, dora)
 
     # --- variants ------------------------------------------------------------
 
@@ -268,32 +261,30 @@ class LoraLayer:
                 f"scale={self._scale:g}{extra})")
 
 
-def _check_variant(bias, magnitude, embedding):
+def _check_variant(a, bt, bias, embedding, magnitude, dora=None):
+    """The checks of a layer's variant: embedding LoRA, DoRA and DoRA's base terms."""
+    d_out = bt.shape[1]
     if embedding and bias is not None:
         raise ValueError("an embedding LoRA layer has no bias (PEFT's Embedding has no lora_bias)")
     if embedding and magnitude is not None:
         raise ValueError("DoRA on an embedding layer is not supported")
     if magnitude is not None and bias is not None:
         raise ValueError("a DoRA layer with a lora_bias is not supported")
+    if magnitude is not None and magnitude.shape != (d_out,):
+        raise ValueError(f"magnitude must have shape ({d_out},) (one per output), got "
+                         f"{magnitude.shape}")
+    if dora is not None and (magnitude is None or [x.shape for x in dora]
+                             != [(d_out,), (d_out,), bt.shape, a.shape]):
+        raise ValueError("DoRA's base terms do not match the layer's factors")
 
 
 def _layer_from_pickle(a, bt, scale, bias, variant=None):
     """An unpickled layer: its arrays kept as they arrive (protocol-5 buffers too), read-only."""
-    embedding, magnitude, dora = variant if variant is not None else (False, None, None)
-    for arr in (a, bt, bias, magnitude) + tuple(dora or ()):
+    variant = variant or (False, None, None)
+    for arr in (a, bt, bias, variant[1]) + tuple(variant[2] or ()):
         if isinstance(arr, np.ndarray) and arr.flags.writeable:
             arr.flags.writeable = False
-    layer = LoraLayer._adopt(a, bt, scale, bias)
-    if variant is None:
-        return layer
-    if magnitude is not None:
-        _adoptable(magnitude, "magnitude", 1)
-    if dora is not None:
-        g, c, gbt, a32 = dora
-        for name, arr, nd in (("g", g, 1), ("c", c, 1), ("g*B^T", gbt, 2), ("a", a32, 2)):
-            _adoptable(arr, name, nd)
-    _check_variant(bias, magnitude, embedding)
-    return layer._like_variant(bool(embedding), magnitude, dora)
+    return LoraLayer._adopt(a, bt, scale, bias, *variant)
 
 
 def _check_key(key):
@@ -499,11 +490,8 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             if found is None:
                 raise KeyError(f"no base weight for DoRA layer {key!r}")
             weight, bias = found if isinstance(found, tuple) else (found, None)
-            layer = layers[key]
             try:
-                layers[key] = layer._like(layer._a, layer._bt, layer._scale, layer._bias,
-                                          _dora_terms(layer._a, layer._bt, layer._scale,
-                                                      layer._magnitude, weight, bias, ""))
+                layers[key] = layers[key].with_base(weight, bias)
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"DoRA layer {key!r}: {exc}") from None
         return self._derived(layers)
@@ -638,14 +626,9 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             try:
                 # Checked by the reader as a layer checks its arrays (lorahook.files.LayerData):
                 # kept as they are; the kernel checks the shapes once more.
-                layer = LoraLayer._trusted(item.a, item.b.T, item.scale, item.bias)
-                if item.magnitude is not None or item.embedding:
-                    _check_variant(item.bias, item.magnitude, item.embedding)
-                    if item.magnitude is not None and item.magnitude.shape != (layer.d_out,):
-                        raise ValueError(f"lora_magnitude_vector must have shape "
-                                         f"({layer.d_out},), got {item.magnitude.shape}")
-                    layer = layer._like_variant(item.embedding, item.magnitude, None)
-                layers[key] = layer
+                _check_variant(item.a, item.b.T, item.bias, item.embedding, item.magnitude)
+                layers[key] = LoraLayer._trusted(item.a, item.b.T, item.scale, item.bias,
+                                                 item.embedding, item.magnitude)
             except (ValueError, TypeError, OverflowError) as exc:
                 raise LoraFormatError(f"{data.source}: module {item.path!r}: {exc}") from None
         for key, item in data.saved.items():
@@ -763,8 +746,9 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
 
 def _refuse_variants(adapter, what):
     """``ValueError`` for an adapter holding anything but plain linear LoRA layers."""
-    for key in sorted(adapter._parts(), key=key_order):
-        part = adapter._parts()[key]
+    parts = adapter._parts()
+    for key in sorted(parts, key=key_order):
+        part = parts[key]
         kind = ("a saved module (modules_to_save)" if isinstance(part, SavedModule)
                 else "an embedding LoRA layer" if part.is_embedding
                 else "a DoRA layer" if part.is_dora else None)

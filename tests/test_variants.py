@@ -332,3 +332,15 @@ def test_a_bare_file_with_embedding_lora_and_its_saved_base_weight(tmp_path, rng
     out = np.zeros((3, H), np.float32)
     apply_lora_embedding(adapter, None, "embed_tokens", ids, out)
     close(out, (2.0 * b.astype(np.float64) @ a[:, ids]).T)
+
+
+def test_layer_variants_refused_by_name(rng):
+    a, b = rng.standard_normal((2, 8)), rng.standard_normal((6, 2))
+    with pytest.raises(ValueError, match=r"magnitude must have shape \(6,\)"):
+        LoraLayer(a, b, magnitude=np.ones(5))
+    with pytest.raises(ValueError, match="DoRA on an embedding"):
+        LoraLayer(a, b, magnitude=np.ones(6), embedding=True)
+    with pytest.raises(ValueError, match="lora_bias"):
+        LoraLayer(a, b, bias=np.ones(6), magnitude=np.ones(6))
+    with pytest.raises(ValueError, match="no bias"):
+        LoraLayer(a, b, bias=np.ones(6), embedding=True)
