@@ -270,14 +270,19 @@ cdef inline void _pre(const Segment *s, float *y, Py_ssize_t o0, Py_ssize_t n) n
 
 
 cdef inline float _down(const Segment *s, Py_ssize_t k, int c, const float *X, int d_in,
-                        float *T) noexcept nogil:
+                        float *T, const float **tp) noexcept nogil:
     """``T = X A^T`` for the ``c`` rows of ``X`` (the segment's rows ``k..k+c``).
 
-    Per-row scales are folded into ``T``; returns the scale the product with
-    ``B`` then takes (1, or the segment's one scale).  Not for a direct
-    segment (its ``T`` is ``X``, and it has no per-row scales).
+    ``tp`` receives the product's rows: ``T``, or ``X`` itself for a direct
+    segment (``A`` is the identity; it has no per-row scales).  Per-row scales
+    are folded into ``T``; returns the scale the product with ``B`` then takes
+    (1, or the segment's one scale).
     """
     cdef int j
+    if s.direct:
+        tp[0] = X
+        return s.scale
+    tp[0] = T
     _blas.gemm(False, True, c, s.rank, d_in, 1.0, X, d_in, s.a, d_in, 0.0, T, s.rank)
     if s.row_scales == NULL:
         return s.scale
@@ -351,12 +356,7 @@ cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int 
             for j in range(c):
                 memcpy(G + j * d_in, X + <Py_ssize_t>s.rows[k + j] * d_in, d_in * sizeof(float))
             xr = G
-        if s.direct:  # T is X itself
-            alpha = s.scale
-            tp = xr
-        else:
-            alpha = _down(s, k, c, xr, d_in, t)
-            tp = t
+        alpha = _down(s, k, c, xr, d_in, t, &tp)
         if s.pre:  # each row transformed, then the delta added by one product
             # (transforming blocks in cache between smaller products measured slower:
             # OpenBLAS packs B once per product)
@@ -432,12 +432,7 @@ cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int
     while k < n:
         c = <int>(chunk if n - k > chunk else n - k)
         _widen_rows(s, k, c, X, d_in, G, hk, hp)
-        if s.direct:  # T is X itself (rank == d_in)
-            alpha = s.scale
-            tp = G
-        else:
-            alpha = _down(s, k, c, G, d_in, T)
-            tp = T
+        alpha = _down(s, k, c, G, d_in, T, &tp)
         o0 = 0
         while o0 < d_out:
             ob = <int>(block if d_out - o0 > block else d_out - o0)
@@ -551,7 +546,7 @@ cdef int _run_embedding(const Segment *s, const int64_t *ids, char *Y, int num_e
     replaces each row with ``E[id]``.  Returns -1 without memory.
     """
     cdef Py_ssize_t n = s.n_rows, k, r, q
-    cdef int rank = s.rank, c, j, owned = 0, owned_w = 0, hk, rc = 0
+    cdef int rank = s.rank, c, j, owned = 0, owned_w = 0, hk
     cdef float alpha, v
     cdef const float *bt = s.b
     cdef float *W = NULL
@@ -614,7 +609,7 @@ cdef int _run_embedding(const Segment *s, const int64_t *ids, char *Y, int num_e
         free(T)
     if owned_w:
         free(W)
-    return rc
+    return 0
 
 
 cdef int run_embedding_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray ids,

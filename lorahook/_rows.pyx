@@ -366,8 +366,10 @@ cdef class UnitGroups(KernelSource):
         return (<GroupPlan>plan).run_ids(ids, y, kind)
 
 
-cdef tuple _checked_key(object layer_idx, object module):
+cdef inline tuple _checked_key(object layer_idx, object module):
     """``(layer_idx, module)`` as the key of a table: an int >= 0 or ``None``, and a str."""
+    if type(layer_idx) is int and layer_idx >= 0 and type(module) is str:  # the common case
+        return (layer_idx, module)
     if layer_idx is not None and type(layer_idx) is not int:
         layer_idx = as_int(layer_idx, "layer_idx (an int, or None for a model-level module)")
     if layer_idx is not None and layer_idx < 0:
@@ -458,10 +460,10 @@ cdef object _apply_ids(hook, layer_idx, module, ids, output, output_row_width, i
     cdef Py_ssize_t n = row_count(y, d_out, "output", "output_row_width")
     private = _private_ids(ids, n)
     cdef Py_ssize_t per_unit = src._rows_per_unit(n)
-    layer_idx, module = _checked_key(layer_idx, module)
-    if src._dispatch == _ASK_HOOK and not hook.is_active(layer_idx, module):
+    cdef tuple key = _checked_key(layer_idx, module)
+    if src._dispatch == _ASK_HOOK and not hook.is_active(*key):
         return
-    src._run_ids((layer_idx, module), <cnp.ndarray>private, y, n, per_unit, d_out, kind)
+    src._run_ids(key, <cnp.ndarray>private, y, n, per_unit, d_out, kind)
 
 
 cdef int _apply_each_row(object hook, object layer_idx, object module, cnp.ndarray x,
@@ -542,17 +544,16 @@ cdef object _apply(hook, layer_idx, module, input, output, input_row_width, outp
     cdef Py_ssize_t per_unit = 0
     if src is not None:
         per_unit = src._rows_per_unit(n)
-    layer_idx, module = _checked_key(layer_idx, module)
+    cdef tuple key = _checked_key(layer_idx, module)
     if dispatch != _KERNELS:
         is_active = getattr(hook, "is_active", None)
-        if is_active is not None and not is_active(layer_idx, module):
+        if is_active is not None and not is_active(*key):
             return
-    cdef tuple key = (layer_idx, module)
     if dispatch == _PER_ROW:
         if src is not None:
             src._check_widths(key, widths[0], widths[1])
         if n:
-            _apply_each_row(hook, layer_idx, module, <cnp.ndarray>input, <cnp.ndarray>output,
+            _apply_each_row(hook, key[0], key[1], <cnp.ndarray>input, <cnp.ndarray>output,
                             widths[0], widths[1], n)
         return
     src._run(key, <cnp.ndarray>input, <cnp.ndarray>output, n, per_unit, widths[0], widths[1],
