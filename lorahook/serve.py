@@ -278,7 +278,7 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
                     reason = finish
                     break
             await stream.aclose()
-            return _response(meta, "".join(text), reason, used)
+            return _completion(meta, "".join(text), reason, used)
 
         def _prompt(self, body, kind):
             if kind == "chat":
@@ -319,7 +319,7 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
                     held.append(delta)
                     now = loop.time()
                     if finish is not None or last is None or now - last >= _FLUSH_S:
-                        yield "data: " + json.dumps(_chunk(meta, "".join(held), finish)) + "\n\n"
+                        yield "data: " + json.dumps(_completion(meta, "".join(held), finish)) + "\n\n"
                         held, last = [], now
                     if finish is not None:
                         break
@@ -367,34 +367,22 @@ def lorahook_from_peft(path):
     return LoraAdapter.from_peft(path)
 
 
-def _usage(meta, used):
-    return {"prompt_tokens": meta[4], "completion_tokens": used,
-            "total_tokens": meta[4] + used}
-
-
-def _response(meta, text, reason, used):
-    rid, model, created, kind, _ = meta
+def _completion(meta, text, reason, used=None):
+    """An OpenAI completion object: whole (with ``usage``), or a streamed chunk (``used`` None)."""
+    rid, model, created, kind, prompt_tokens = meta
+    chunk = used is None
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": reason, "logprobs": None}
-        obj = "chat.completion"
+        choice = {("delta" if chunk else "message"): {"role": "assistant", "content": text}}
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        choice = {"text": text}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": _usage(meta, used)}
-
-
-def _chunk(meta, delta, reason):
-    rid, model, created, kind, _ = meta
-    if kind == "chat":
-        choice = {"index": 0, "delta": {"role": "assistant", "content": delta},
-                  "finish_reason": reason, "logprobs": None}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    choice.update(index=0, finish_reason=reason, logprobs=None)
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if not chunk:
+        out["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": used,
+                        "total_tokens": prompt_tokens + used}
+    return out
 
 
 def _registry_class():

@@ -28,17 +28,7 @@ import weakref
 import numpy as np
 import pytest
 
-REQUIRED = os.environ.get("LORAHOOK_REQUIRE_RAY") == "1"
-
-
-def _need(module):
-    """Import ``module``, or skip (fail under LORAHOOK_REQUIRE_RAY=1)."""
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as exc:
-        if REQUIRED:
-            raise
-        pytest.skip(f"{module} is not installed ({exc})", allow_module_level=True)
+from required import need as _need  # noqa: E402
 
 
 ray = _need("ray")

@@ -16,16 +16,7 @@ import time
 
 import pytest
 
-REQUIRED = os.environ.get("LORAHOOK_REQUIRE_RAY") == "1"
-
-
-def _need(module):
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as exc:
-        if REQUIRED:
-            raise
-        pytest.skip(f"{module} is not installed ({exc})", allow_module_level=True)
+from required import need as _need  # noqa: E402
 
 
 for _module in ("ray.serve", "fastapi", "torch", "transformers", "peft", "tokenizers"):
