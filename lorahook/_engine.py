@@ -75,19 +75,17 @@ class Batch:
         return all(reason is not None for reason in self.finished)
 
     def _next_tokens(self, logits):
-        out = []
+        out = logits.argmax(dim=-1).tolist()  # greedy rows (temperature 0) keep these
         for i, r in enumerate(self.requests):
-            row = logits[i]
             if r.temperature == 0.0:
-                out.append(int(torch.argmax(row)))
                 continue
-            probs = torch.softmax(row / r.temperature, dim=-1)
+            probs = torch.softmax(logits[i] / r.temperature, dim=-1)
             if r.top_p < 1.0:
                 sorted_p, order = torch.sort(probs, descending=True)
                 keep = sorted_p.cumsum(-1) - sorted_p < r.top_p  # the smallest set reaching top_p
                 sorted_p = sorted_p * keep
                 probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-            out.append(int(torch.multinomial(probs, 1, generator=self.rngs[i])))
+            out[i] = int(torch.multinomial(probs, 1, generator=self.rngs[i]))
         return out
 
     def step(self):

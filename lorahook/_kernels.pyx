@@ -31,7 +31,7 @@ from libc.stdlib cimport free
 from libc.string cimport memcpy, memset
 
 from lorahook cimport _blas
-from lorahook._checks cimport ROWS_F16, ROWS_F32, as_width, check_buffers, check_type, check_layout
+from lorahook._checks cimport ROWS_F16, ROWS_F32, as_width, check_buffers
 from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, active_path
 from scipy.linalg.cython_blas cimport sgemm
 
@@ -797,23 +797,6 @@ cdef class GroupPlan:
         """
         kind = check_buffers(input, output, self.n_rows, self.d_in, self.d_out)
         self.run(<cnp.ndarray>input, <cnp.ndarray>output, kind)
-
-    def apply_ids(self, ids, output):
-        """Add every group's embedding delta for the int64 ``ids`` (one per row) in place.
-
-        ``ids`` must be a 1-D native int64 array of ``n_rows`` values, each in
-        ``[0, d_in)``; it is copied before the kernels read it.
-        """
-        check_type(output, "output")
-        check_layout(<cnp.ndarray>output, "output", True)
-        if cnp.PyArray_SIZE(<cnp.ndarray>output) != self.n_rows * self.d_out:
-            raise ValueError(f"output must hold {self.n_rows} rows of {self.d_out}")
-        private = private_vector(ids, cnp.NPY_INT64, np.int64, "ids", "ids", "int64")
-        if len(private) != self.n_rows:
-            raise ValueError(f"ids must hold {self.n_rows} values, got {len(private)}")
-        if self.n_rows and (private.min() < 0 or private.max() >= self.d_in):
-            raise ValueError(f"ids must be in [0, {self.d_in})")
-        self.run_ids(private, <cnp.ndarray>output, check_type(output, "output"))
 
     cdef int run_ids(self, cnp.ndarray ids, cnp.ndarray y, int kind) except -1:
         """Run an embedding plan on private int64 ``ids`` checked to lie in ``[0, d_in)``."""
