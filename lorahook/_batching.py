@@ -22,7 +22,9 @@ it idle and ending when nothing is pending.  The worker forms a batch from
 the pending calls, in arrival order, and runs the decorated function on it
 in a task of its own, in an empty :class:`contextvars.Context`; it waits for
 that task before it forms the next batch, so the batches of one queue run
-one at a time.
+one at a time.  A continuous streaming batch takes more pending calls itself
+between its steps (``Joined``), so under steady load it may run for as long
+as calls keep coming.
 
 Cancellation: a caller cancelled while its call is pending removes the call
 from the queue (the batch is never told).  Once a batch has started, the
@@ -42,7 +44,7 @@ import warnings
 import weakref
 from collections.abc import Mapping
 
-__all__ = ["batch", "DONE"]
+__all__ = ["batch", "DONE", "Joined"]
 
 
 class _Done:
@@ -59,6 +61,18 @@ class _Done:
 
 #: Yielded by a streaming batch function, in an item's place, once that item is finished.
 DONE = _Done()
+
+
+class Joined(collections.namedtuple("Joined", ("names", "items", "left"))):
+    """What a continuous streaming batch is sent after each step (see :func:`batch`).
+
+    ``names`` and ``items``: the calls that join the batch now, in arrival
+    order, appended after its open items; ``left``: positions, in the step
+    just yielded, of items whose callers stopped listening, which leave the
+    batch now like finished ones.
+    """
+
+    __slots__ = ()
 
 # What a streaming caller's queue carries.
 _CHUNK, _END, _ERROR = 0, 1, 2
@@ -248,20 +262,20 @@ class _Queue:
         if self._waiter is not None:
             _wake(self._waiter)
 
-    def _select(self):
+    def _select(self, limit, names=frozenset(), in_order=False):
         """The calls of the next batch, without taking them, and whether the batch is full.
 
         Walks the pending calls in arrival order and takes every call that
-        keeps the batch within ``max_batch_size`` and ``max_adapters``.  A
+        keeps the batch within ``limit`` calls and ``max_adapters`` (counting
+        ``names``, the adapters of a running batch the calls would join).  A
         call whose adapter does not fit on its own fails here (``ValueError``),
         as does one for which ``fits`` raises (with that exception) or does not
         return a bool (``TypeError``).  The first pending call is always taken
         or failed, so every call is served in a bounded number of batches.
+        ``in_order`` stops at the first call that does not fit (calls joining
+        a running batch: one that must wait holds back those behind it).
         """
-        batcher = self._batcher
-        limit = batcher.max_batch_size
-        rule = batcher.max_adapters
-        names = frozenset()
+        rule = self._batcher.max_adapters
         chosen = []
         failed = []
         for call in list(self._pending):  # fits() may add calls
@@ -292,6 +306,8 @@ class _Queue:
             if fits:
                 chosen.append(call)
                 names = candidate
+            elif in_order:
+                break
             elif not names:
                 if isinstance(rule, int):
                     reason = f"max_adapters={rule}"
@@ -304,6 +320,27 @@ class _Queue:
             self._pending.remove(call)
             _fail((call,), exc)
         return chosen, len(chosen) >= limit
+
+    def take(self, chosen):
+        """Remove ``chosen`` from the pending calls; the others stay first, in arrival order."""
+        taken = set(map(id, chosen))
+        left = [call for call in self._pending if id(call) not in taken]
+        self._pending.clear()
+        self._pending.extend(left)
+
+    def join(self, limit, names, busy):
+        """Pending calls that join a running continuous batch now (up to ``limit``).
+
+        ``names``: the adapters of its open items; ``busy``: whether it has any."""
+        while self._pending and self._pending[0].future.done():
+            self._pending.popleft()
+        if limit <= 0 or not self._pending:
+            return []
+        # While items are open, a call that must wait holds back those behind
+        # it; once none is, the calls form a batch as the worker would.
+        chosen, _ = self._select(limit, names, in_order=busy)
+        self.take(chosen)
+        return chosen
 
     async def _sleep_until(self, loop, deadline):
         waiter = self._waiter = loop.create_future()
@@ -325,19 +362,16 @@ class _Queue:
                     pending.popleft()
                 if not pending:
                     return
-                chosen, full = self._select()
+                chosen, full = self._select(batcher.max_batch_size)
                 if not pending:
                     return
                 deadline = pending[0].arrival + batcher.batch_wait_timeout_s
                 if not chosen or (not full and loop.time() < deadline):
                     await self._sleep_until(loop, deadline)
                     continue
-                taken = set(map(id, chosen))
-                left = [call for call in pending if id(call) not in taken]
-                pending.clear()
-                pending.extend(left)  # left calls stay first, in arrival order
-                running = chosen
-                task = contextvars.Context().run(batcher.start, loop, owner, chosen)
+                self.take(chosen)
+                running = chosen  # a continuous batch appends the calls that join it
+                task = contextvars.Context().run(batcher.start, loop, owner, chosen, self)
                 # wait() neither raises the batch's exception here nor cancels
                 # the batch when a caller is cancelled.
                 await asyncio.wait((task,))
@@ -362,8 +396,10 @@ class _Queue:
 class _Batcher:
     """Settings and queues of one decorated function.  Pickles as its settings only."""
 
-    def __init__(self, func, is_method, max_batch_size, batch_wait_timeout_s, max_adapters):
+    def __init__(self, func, is_method, max_batch_size, batch_wait_timeout_s, max_adapters,
+                 continuous=False):
         self.func = func
+        self.continuous = continuous
         self.is_method = is_method
         self.streaming = inspect.isasyncgenfunction(func)
         self.qualname = getattr(func, "__qualname__", repr(func))
@@ -375,7 +411,7 @@ class _Batcher:
 
     def __reduce__(self):
         return (_Batcher, (self.func, self.is_method, self.max_batch_size,
-                           self.batch_wait_timeout_s, self.max_adapters))
+                           self.batch_wait_timeout_s, self.max_adapters, self.continuous))
 
     # -- settings ---------------------------------------------------------
 
@@ -477,14 +513,25 @@ class _Batcher:
 
     # -- running a batch ----------------------------------------------------
 
-    def start(self, loop, owner, calls):
+    def start(self, loop, owner, calls, queue):
         """The task running the function on ``calls``; called in an empty context."""
         names = [call.name for call in calls]
         items = [call.item for call in calls]
         args = (owner, names, items) if self.is_method else (names, items)
+        if self.continuous:
+            return loop.create_task(self._run_continuous(args, calls, queue))
         if self.streaming:
             return loop.create_task(self._run_stream(args, calls))
         return loop.create_task(self._run(args))
+
+    def _check_step(self, step, expected, what):
+        if isinstance(step, (str, bytes, bytearray, Mapping)) or not hasattr(step, "__len__"):
+            raise TypeError(f"{self.qualname} must yield a list with one chunk (or DONE) "
+                            f"per item, found {_found(step)}")
+        if len(step) != expected:
+            raise ValueError(
+                f"{self.qualname} yielded {len(step)} chunks for a batch of {expected} "
+                f"{what}; each step must hold one chunk (or DONE) per item, in order")
 
     async def _run(self, args):
         return await self.func(*args)
@@ -495,13 +542,7 @@ class _Batcher:
         open_calls = set(range(len(calls)))
         try:
             async for step in steps:
-                if isinstance(step, (str, bytes, bytearray, Mapping)) or not hasattr(step, "__len__"):
-                    raise TypeError(f"{self.qualname} must yield a list with one chunk (or DONE) "
-                                    f"per item, found {_found(step)}")
-                if len(step) != len(calls):
-                    raise ValueError(
-                        f"{self.qualname} yielded {len(step)} chunks for a batch of {len(calls)} "
-                        f"items; each step must hold one chunk (or DONE) per item, in order")
+                self._check_step(step, len(calls), "items")
                 for i, chunk in enumerate(step):
                     if i not in open_calls:
                         continue
@@ -519,13 +560,52 @@ class _Batcher:
             _finish(calls[i])
         return [None] * len(calls)
 
+    async def _run_continuous(self, args, calls, queue):
+        """A streaming batch that pending calls join between its steps.
+
+        ``calls`` is the worker's list of the batch's calls: joiners are
+        appended to it, so that a failure or a cancellation reaches them too.
+        """
+        steps = self.func(*args)
+        current = list(calls)  # the open items, in the order the function yields them
+        sent = None
+        try:
+            while True:
+                try:
+                    step = await (steps.__anext__() if sent is None else steps.asend(sent))
+                except StopAsyncIteration:
+                    break
+                self._check_step(step, len(current), "open items")
+                still, left = [], []
+                for i, (call, chunk) in enumerate(zip(current, step)):
+                    if chunk is DONE:
+                        _finish(call)
+                    elif call.future.done():  # its caller left: the item leaves the batch
+                        left.append(i)
+                    else:
+                        call.stream.put_nowait((_CHUNK, chunk))
+                        still.append(call)
+                names = frozenset(call.name for call in still if call.name is not None)
+                joined = queue.join(self.max_batch_size - len(still), names, bool(still))
+                if not still and not joined:
+                    break  # every item is finished and nobody waits: the function need not run on
+                calls.extend(joined)
+                current = still + joined
+                sent = Joined([call.name for call in joined], [call.item for call in joined],
+                              left)
+        finally:
+            await steps.aclose()
+        for call in calls:  # the function ended: so did its items
+            _finish(call)
+        return None
+
     def deliver(self, calls, task):
         """Hand each caller of a finished batch its result, or the batch's exception."""
         try:
             exc = task.exception()
         except asyncio.CancelledError as cancelled:  # a CancelledError inside the function
             exc = cancelled
-        if exc is None and self.streaming:
+        if exc is None and (self.streaming or self.continuous):
             return  # every call was finished as its chunks came
         if exc is None:
             results = task.result()
@@ -550,7 +630,7 @@ class _Batcher:
                 call.future.set_result(result)
 
 
-def _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters):
+def _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters, continuous=False):
     if not callable(func):
         raise TypeError(f"batch decorates an 'async def' function, found {_found(func)}")
     if not inspect.iscoroutinefunction(func) and not inspect.isasyncgenfunction(func):
@@ -568,7 +648,11 @@ def _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters):
             f"batch decorates f(self, adapter_names, items) or f(adapter_names, items), found "
             f"{func.__qualname__}{inspect.signature(func) if params is not None else '(?)'}")
     is_method = len(params) == 3
-    batcher = _Batcher(func, is_method, max_batch_size, batch_wait_timeout_s, max_adapters)
+    if continuous and not inspect.isasyncgenfunction(func):
+        raise TypeError(f"batch(continuous=True) decorates an async generator function, found "
+                        f"the coroutine function {func.__qualname__!r}")
+    batcher = _Batcher(func, is_method, max_batch_size, batch_wait_timeout_s, max_adapters,
+                       continuous)
 
     if batcher.streaming and is_method:
         def wrapper(self, adapter_name, item, /):
@@ -591,7 +675,7 @@ def _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters):
     return wrapper
 
 
-def batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_adapters=None):
+def batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_adapters=None, continuous=False):
     """Batch concurrent calls of an async function, mixing adapters in one batch.
 
     Decorates ``async def f(self, adapter_names, items) -> list`` (a method)
@@ -640,6 +724,30 @@ def batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_adapters=None):
         wrong length (``ValueError``), reaches the callers whose items were not
         finished yet.
 
+    Continuous batching (``continuous=True``, streaming only)
+        Pending calls join a running batch between its steps instead of
+        waiting for it to end.  Each step of ``f`` holds one entry per *open*
+        item: the items it was called with and those that joined later, in
+        the order they came, without the items already finished (one step
+        after ``f`` yielded :data:`DONE` for them) or left.  After each step
+        ``f`` is sent (as the value of its ``yield``) a :class:`Joined`
+        ``(names, items, left)``: ``left`` lists the positions, in the step
+        just yielded, of items whose callers stopped listening (they leave
+        the batch, so ``f`` can stop computing them); ``names`` and ``items``
+        are the calls that join now, at the end of the open items, chosen in
+        arrival order within ``max_batch_size`` open items and
+        ``max_adapters`` distinct adapters (counting those of the open
+        items), without waiting for ``batch_wait_timeout_s``.  ``f`` is closed
+        once no item is open and no call is pending::
+
+            @batch(max_batch_size=16, continuous=True)
+            async def generate(self, names, items):
+                run = Engine(names, items)
+                while run.open:
+                    joined = yield run.step()   # one chunk (or DONE) per open item
+                    run.drop(joined.left)
+                    run.add(joined.names, joined.items)
+
     Concurrency and context
         The batches of one instance run one at a time (different instances,
         and different event loops, batch independently).  ``f`` runs in a
@@ -684,16 +792,18 @@ def batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_adapters=None):
     if callable(max_batch_size) and not isinstance(max_batch_size, numbers.Number):
         # Used bare: @batch
         func = max_batch_size
-        if batch_wait_timeout_s != 0.01 or max_adapters is not None:
+        if batch_wait_timeout_s != 0.01 or max_adapters is not None or continuous:
             raise TypeError(
                 "batch(func) takes no other arguments; write @batch(max_batch_size=..., "
                 "batch_wait_timeout_s=..., max_adapters=...) to set them")
         return _decorate(func, 16, 0.01, None)
+    if not isinstance(continuous, bool):
+        raise TypeError(f"continuous must be True or False, found {_found(continuous)}")
     max_batch_size = _check_max_batch_size(max_batch_size)
     batch_wait_timeout_s = _check_batch_wait_timeout_s(batch_wait_timeout_s)
     max_adapters = _check_max_adapters(max_adapters)
 
     def decorator(func):
-        return _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters)
+        return _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters, continuous)
 
     return decorator

@@ -51,12 +51,12 @@ import threading
 import warnings
 import weakref
 
-from ._batching import DONE, _found, batch
+from ._batching import DONE, Joined, _found, batch
 from .adapter import LoraAdapter
 from . import serving
 from .serving import AdapterSet
 
-__all__ = ["batch", "DONE", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"]
+__all__ = ["batch", "DONE", "Joined", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"]
 
 #: The Ray namespace of the actors :func:`shared_resolver` starts.
 NAMESPACE = "lorahook"

@@ -897,5 +897,5 @@ def test_ray_serve_exports_batch():
     pytest.importorskip("ray.serve")
     import lorahook.ray_serve as ray_serve
     assert ray_serve.batch is batch
-    assert set(ray_serve.__all__) == {"batch", "DONE", "multiplexed", "shared_resolver",
+    assert set(ray_serve.__all__) == {"batch", "DONE", "Joined", "multiplexed", "shared_resolver",
                                       "SharedResolver", "AdapterLease"}
