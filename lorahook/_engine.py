@@ -1,19 +1,26 @@
-"""Token-by-token generation for a batch of requests that mix adapters (``lorahook serve``).
+"""Token-by-token generation for requests that mix adapters (``lorahook serve``).
 
-A :class:`Batch` runs one transformers causal LM on several requests at once:
-one prefill of the left-padded prompts, then one decode step per token, each
-step inside ``attached.sequences(names)`` so that every row gets its own
-adapter.  Each request has its own sampling (greedy at ``temperature`` 0,
-else temperature and ``top_p`` with its own seeded generator), its own
-``max_tokens`` and ``stop`` strings; :meth:`Batch.step` returns, per request,
-the text that request gained this step and, once, why it finished.  A
-finished request's row keeps decoding (the batch shape stays fixed) but
-nothing more is reported for it.  Pure torch and transformers: no Ray, no
-HTTP.
+A :class:`Batch` runs one transformers causal LM on several requests at once,
+each row with its own adapter through ``attached.sequences(names)``.
+Requests are *admitted* (:meth:`Batch.admit`), prefilled together at the
+next :meth:`Batch.step` (left-padded prompts), then decoded one token per
+step.  Each request has its own sampling (greedy at ``temperature`` 0, else
+temperature and ``top_p`` with its own seeded generator), its own
+``max_tokens`` and ``stop`` strings.
+
+With a joinable cache (:func:`joinable`: transformers' ``DynamicCache`` of
+full-attention layers), requests may be admitted while others are decoding:
+their keys and values are left-padded to the batch's length and appended
+along the batch; a finished or abandoned request's row is dropped at once,
+and columns no row needs any more are cut from the left.  Other caches
+(sliding windows, linear attention) keep the rows they started with, and a
+finished row decodes on unreported until the batch ends.
+
+Pure torch and transformers: no Ray, no HTTP.
 """
 import torch
 
-__all__ = ["Request", "Batch"]
+__all__ = ["Request", "Batch", "joinable"]
 
 
 class Request:
@@ -42,42 +49,195 @@ def _held_back(text, stops):
     return held
 
 
-class Batch:
-    """Requests generated together; :meth:`step` until every one is finished."""
+def joinable(cache):
+    """Whether rows can be added to and dropped from ``cache`` (a model's ``past_key_values``)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    return (type(cache) is DynamicCache and bool(cache.layers)
+            and all(type(layer) is DynamicLayer and layer.is_initialized
+                    for layer in cache.layers))
 
-    def __init__(self, model, tokenizer, attached, names, requests, pad_token_id, eos_ids):
+
+class _Live:
+    """One admitted request: its adapter, what it generated and sent, and how it ended."""
+
+    __slots__ = ("name", "request", "index", "generated", "sent", "reason", "rng", "reported")
+
+    def __init__(self, name, request, index):
+        self.name, self.request, self.index = name, request, index
+        self.generated = []
+        self.sent = ""
+        self.reason = None      # the finish reason, once finished
+        self.reported = False   # its finish was reported (the step after, it is DONE)
+        self.rng = None
+        if request.seed is not None:
+            self.rng = torch.Generator()
+            self.rng.manual_seed(int(request.seed))
+
+
+class Batch:
+    """Requests generated together; :meth:`step` until :attr:`done`."""
+
+    def __init__(self, model, tokenizer, attached, pad_token_id, eos_ids, can_join=None):
         self.model, self.tokenizer, self.attached = model, tokenizer, attached
-        self.names = list(names)
-        self.requests = list(requests)
+        self.pad = pad_token_id
         self.eos = frozenset(eos_ids)
-        n = len(self.requests)
-        width = max(len(r.prompt_ids) for r in self.requests)
-        self.input_ids = torch.tensor([[pad_token_id] * (width - len(r.prompt_ids)) + r.prompt_ids
-                                       for r in self.requests], dtype=torch.long)
-        self.mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids)
-                                  for r in self.requests], dtype=torch.long)
-        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
-        self.cache = None
-        self.generated = [[] for _ in range(n)]
-        self.sent = [""] * n
-        self.finished = [None] * n  # the finish reason, once finished
-        self.rngs = []
-        for r in self.requests:
-            if r.seed is None:
-                self.rngs.append(None)
-            else:
-                g = torch.Generator()
-                g.manual_seed(int(r.seed))
-                self.rngs.append(g)
+        self.can_join = can_join  # None: decided by the first prefill's cache
+        self.open = []       # admitted requests not yet reported done, in admission order
+        self.rows = []       # the request of each row of the tensors below
+        self.waiting = []    # admitted, to prefill at the next step
+        self.cache = self.input_ids = self.mask = self.positions = None
+        self.reported = []   # the open requests as the last step reported them, in order
+        self._count = 0
 
     @property
     def done(self):
-        return all(reason is not None for reason in self.finished)
+        return not self.open
 
-    def _next_tokens(self, logits):
+    def admit(self, names, requests):
+        """Add requests (prefilled at the next step); returns their :class:`_Live` records."""
+        if self.rows and not self.can_join:
+            raise RuntimeError("this model's cache cannot take rows while others decode")
+        lives = []
+        for name, request in zip(names, requests, strict=True):
+            lives.append(_Live(name, request, self._count))
+            self._count += 1
+        self.open += lives
+        self.waiting += lives
+        return lives
+
+    def retire(self, positions):
+        """Drop the requests at ``positions`` of the last step's reports (their callers left)."""
+        gone = {id(self.reported[p]) for p in positions}
+        if not gone:
+            return
+        for live in self.open:
+            if id(live) in gone and live.reason is None:
+                live.reason = "abandoned"
+        self.open = [live for live in self.open if id(live) not in gone]
+        self.waiting = [live for live in self.waiting if id(live) not in gone]
+        self._drop_finished()
+
+    # --- one step -----------------------------------------------------------
+
+    def step(self):
+        """Decode the running rows and prefill the waiting requests: one report per open request.
+
+        A report is ``(text, finish_reason)``: the text the request gained and,
+        on its last report, why it finished; ``None`` once that was reported
+        (the request then leaves :attr:`open`).  :attr:`reported` lists the
+        requests reported on, in order.
+        """
+        reports = {}
+        with torch.inference_mode():
+            if self.rows:
+                self._decode(reports)
+            if self.waiting:
+                self._prefill(reports)
+        self.reported = list(self.open)
+        out = []
+        for live in self.reported:
+            if live.reported:
+                out.append(None)
+            else:
+                out.append(reports.get(id(live), ("", None)))
+                live.reported = live.reason is not None
+        self.open = [live for live, report in zip(self.reported, out) if report is not None]
+        self._drop_finished()
+        return out
+
+    def _forward(self, names, **inputs):
+        with self.attached.sequences(names):
+            return self.model(use_cache=True, **inputs)
+
+    def _decode(self, reports):
+        out = self._forward([live.name for live in self.rows], input_ids=self.input_ids,
+                            attention_mask=self.mask, position_ids=self.positions,
+                            past_key_values=self.cache)
+        self.cache = out.past_key_values
+        tokens = self._next_tokens(self.rows, out.logits[:, -1, :].float())
+        self.input_ids = torch.tensor(tokens, dtype=torch.long)[:, None]
+        self.positions = self.positions + 1
+        self.mask = torch.cat([self.mask, torch.ones((len(tokens), 1), dtype=torch.long)], dim=1)
+        for live, token in zip(self.rows, tokens):
+            if live.reason is None:
+                reports[id(live)] = self._report(live, token)
+
+    def _prefill(self, reports):
+        lives, self.waiting = self.waiting, []
+        width = max(len(live.request.prompt_ids) for live in lives)
+        ids = torch.tensor([[self.pad] * (width - len(live.request.prompt_ids))
+                            + live.request.prompt_ids for live in lives], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(live.request.prompt_ids))
+                             + [1] * len(live.request.prompt_ids) for live in lives],
+                            dtype=torch.long)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self._forward([live.name for live in lives], input_ids=ids, attention_mask=mask,
+                            position_ids=positions)
+        if self.can_join is None:
+            self.can_join = joinable(out.past_key_values)
+        tokens = self._next_tokens(lives, out.logits[:, -1, :].float())
+        new = (out.past_key_values, torch.tensor(tokens, dtype=torch.long)[:, None],
+               torch.cat([mask, torch.ones((len(lives), 1), dtype=torch.long)], dim=1),
+               positions[:, -1:] + 1)
+        if self.rows:
+            self._merge(lives, *new)
+        else:
+            self.rows = lives
+            self.cache, self.input_ids, self.mask, self.positions = new
+        for live, token in zip(lives, tokens):
+            reports[id(live)] = self._report(live, token)
+
+    # --- rows ---------------------------------------------------------------
+
+    def _merge(self, lives, cache, input_ids, mask, positions):
+        """Append prefilled rows to the running ones, left-padding the shorter side."""
+        length = max(self.mask.shape[1], mask.shape[1])
+
+        def left_pad(t, width, dim):
+            if t.shape[dim] == width:
+                return t
+            shape = list(t.shape)
+            shape[dim] = width - t.shape[dim]
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        # the mask covers the cache and the next input token: the cache is one shorter
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            for attr in ("keys", "values"):
+                joined = [left_pad(getattr(layer, attr), length - 1, -2) for layer in (mine, theirs)]
+                setattr(mine, attr, torch.cat(joined, dim=0))
+        self.mask = torch.cat([left_pad(self.mask, length, 1), left_pad(mask, length, 1)])
+        self.input_ids = torch.cat([self.input_ids, input_ids])
+        self.positions = torch.cat([self.positions, positions])
+        self.rows = self.rows + lives
+
+    def _drop_finished(self):
+        """Drop the rows of finished requests, and the leading columns no row needs."""
+        if not self.can_join or not self.rows:
+            return
+        keep = [i for i, live in enumerate(self.rows) if live.reason is None]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.input_ids = self.mask = self.positions = None
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        self.mask = self.mask[index]
+        self.input_ids = self.input_ids[index]
+        self.positions = self.positions[index]
+        cut = int((self.mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # empty leading columns
+        self.mask = self.mask[:, cut:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, cut:]
+            layer.values = layer.values[index, :, cut:]
+
+    # --- tokens -------------------------------------------------------------
+
+    def _next_tokens(self, lives, logits):
         out = logits.argmax(dim=-1).tolist()  # greedy rows (temperature 0) keep these
-        for i, r in enumerate(self.requests):
-            if r.temperature == 0.0:
+        for i, live in enumerate(lives):
+            r = live.request
+            if r.temperature == 0.0 or live.reason is not None:
                 continue
             probs = torch.softmax(logits[i] / r.temperature, dim=-1)
             if r.top_p < 1.0:
@@ -85,47 +245,25 @@ class Batch:
                 keep = sorted_p.cumsum(-1) - sorted_p < r.top_p  # the smallest set reaching top_p
                 sorted_p = sorted_p * keep
                 probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-            out[i] = int(torch.multinomial(probs, 1, generator=self.rngs[i]))
+            out[i] = int(torch.multinomial(probs, 1, generator=live.rng))
         return out
 
-    def step(self):
-        """One forward; returns per request ``(text, finish_reason)`` or ``None`` once reported."""
-        with torch.inference_mode(), self.attached.sequences(self.names):
-            if self.cache is None:
-                out = self.model(input_ids=self.input_ids, attention_mask=self.mask,
-                                 position_ids=self.positions, use_cache=True)
-            else:
-                out = self.model(input_ids=self.input_ids, attention_mask=self.mask,
-                                 position_ids=self.positions, past_key_values=self.cache,
-                                 use_cache=True)
-        self.cache = out.past_key_values
-        tokens = self._next_tokens(out.logits[:, -1, :].float())
-        self.input_ids = torch.tensor(tokens, dtype=torch.long)[:, None]
-        self.positions = self.positions[:, -1:] + 1
-        self.mask = torch.cat([self.mask, torch.ones((len(tokens), 1), dtype=torch.long)], dim=1)
-        return [self._report(i, token) for i, token in enumerate(tokens)]
-
-    def _report(self, i, token):
-        if self.finished[i] is not None:
-            return None
-        r = self.requests[i]
+    def _report(self, live, token):
+        r = live.request
         reason = None
         if token in self.eos:
             reason = "stop"
         else:
-            self.generated[i].append(token)
-        text = self.tokenizer.decode(self.generated[i], skip_special_tokens=True)
+            live.generated.append(token)
+        text = self.tokenizer.decode(live.generated, skip_special_tokens=True)
         for stop in r.stop:
             at = text.find(stop)
             if at >= 0:
                 text, reason = text[:at], "stop"
-        if reason is None and len(self.generated[i]) >= r.max_tokens:
+        if reason is None and len(live.generated) >= r.max_tokens:
             reason = "length"
         upto = len(text) if reason is not None else len(text) - _held_back(text, r.stop)
-        delta = text[len(self.sent[i]):upto] if upto > len(self.sent[i]) else ""
-        self.sent[i] += delta
-        self.finished[i] = reason
+        delta = text[len(live.sent):upto] if upto > len(live.sent) else ""
+        live.sent += delta
+        live.reason = reason
         return delta, reason
-
-    def completion_tokens(self, i):
-        return len(self.generated[i])

@@ -1,5 +1,5 @@
 """The server tests' files (made by lorahook._bench_serve) and a PEFT reference."""
-from lorahook._bench_serve import save_adapter, save_all, save_model, tokenizer  # noqa: F401
+from lorahook._bench_serve import model, save_adapter, save_all, save_model, tokenizer  # noqa: F401
 
 
 def peft_reference(model_dir, adapter_dir, prompt_ids, max_new_tokens):

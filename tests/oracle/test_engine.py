@@ -22,57 +22,135 @@ def files(tmp_path_factory):
     return serve_files.save_all(str(tmp_path_factory.mktemp("serve")))
 
 
-def run(batch):
-    chunks = [[] for _ in batch.requests]
-    while not batch.done:
-        for i, report in enumerate(batch.step()):
+def make(model, tok, attached, names, reqs, can_join=None):
+    batch = Batch(model, tok, attached, 0, [2], can_join)
+    lives = batch.admit(names, reqs)
+    return batch, lives
+
+
+def run(batch, lives=None, chunks=None, steps=None):
+    """Step ``batch`` (until done, or ``steps`` times); chunks per request, by admission."""
+    chunks = {} if chunks is None else chunks
+    while not batch.done and steps != 0:
+        for live, report in zip(list(batch.open), batch.step()):
             if report is not None:
-                chunks[i].append(report)
-    return chunks
+                chunks.setdefault(live.index, []).append(report)
+        steps = None if steps is None else steps - 1
+    return [chunks.get(i, []) for i in range(batch._count)]
 
 
-def test_a_mixed_batch_equals_each_request_alone(files):
+def loaded(files):
     import transformers
     model_dir, adapters = files
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    aset = lorahook.AdapterSet(geometry_of(model), resolver=adapters)
-    attached = attach(model, aset)
+    attached = attach(model, lorahook.AdapterSet(geometry_of(model), resolver=adapters))
+    return model, tok, attached
+
+
+def check_alone(files, tok, names, ids, lengths, lives, chunks):
+    """Each request's tokens equal PEFT generating it alone, and its chunks spell them."""
+    model_dir, adapters = files
+    for i, name in enumerate(names):
+        want = serve_files.peft_reference(model_dir, None if name is None else
+                                          os.path.join(adapters, name), ids[i], lengths[i])
+        got = lives[i].generated
+        want = [t for t in want if t != 2][:len(got)]
+        assert got == want, (name, got, want)
+        text = "".join(c[0] for c in chunks[i])
+        assert text == tok.decode(got, skip_special_tokens=True)
+        assert chunks[i][-1][1] in ("stop", "length")
+        assert all(c[1] is None for c in chunks[i][:-1])
+
+
+@pytest.mark.parametrize("can_join", [True, False], ids=["rows-dropped", "rows-kept"])
+def test_a_mixed_batch_equals_each_request_alone(files, can_join):
+    model, tok, attached = loaded(files)
     prompts = ["the cat sat on the mat", "hello world", "one two three four five six",
                "what is the sky"]
     names = ["alpha", None, "beta", "alpha"]
     lengths = [9, 4, 12, 6]
     ids = [tok(p)["input_ids"] for p in prompts]
     reqs = [Request(i, max_tokens=n, temperature=0.0) for i, n in zip(ids, lengths)]
-    batch = Batch(model, tok, attached, names, reqs, 0, [2])
+    batch, lives = make(model, tok, attached, names, reqs, can_join)
     chunks = run(batch)
-    for i, name in enumerate(names):
-        want = serve_files.peft_reference(model_dir, None if name is None else
-                                          os.path.join(adapters, name), ids[i], lengths[i])
-        want = [t for t in want if t != 2][:len(batch.generated[i])]
-        assert batch.generated[i] == want, (name, batch.generated[i], want)
-        text = "".join(c[0] for c in chunks[i])
-        assert text == tok.decode(batch.generated[i], skip_special_tokens=True)
-        assert chunks[i][-1][1] in ("stop", "length")
-        assert all(c[1] is None for c in chunks[i][:-1])
+    check_alone(files, tok, names, ids, lengths, lives, chunks)
+    assert len(batch.rows) == (0 if can_join else 4)
+
+
+def test_requests_join_and_leave_a_running_batch(files):
+    model, tok, attached = loaded(files)
+    prompts = ["the cat sat on the mat and the dog", "hello", "one two three four five six",
+               "what is the sky", "big small old new good bad sun moon star sky sea tree"]
+    names = ["alpha", None, "beta", "gamma", "alpha"]
+    lengths = [5, 14, 9, 12, 7]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    reqs = [Request(i, max_tokens=n, temperature=0.0) for i, n in zip(ids, lengths)]
+    batch, lives = make(model, tok, attached, names[:2], reqs[:2])
+    chunks = {}
+    run(batch, chunks=chunks, steps=3)
+    lives += batch.admit(names[2:4], reqs[2:4])  # one prompt longer than the running rows
+    run(batch, chunks=chunks, steps=4)
+    assert len(batch.rows) == 3  # alpha finished after 5 tokens: its row is gone
+    lives += batch.admit(names[4:], reqs[4:])
+    gone = batch.admit(["beta"], [Request(ids[0], max_tokens=30, temperature=0.0)])[0]
+    run(batch, chunks=chunks, steps=1)
+    batch.retire([batch.reported.index(gone)])  # its caller left
+    assert gone not in batch.open and all(live is not gone for live in batch.rows)
+    chunks = run(batch, chunks=chunks)
+    del chunks[gone.index]
+    check_alone(files, tok, names, ids, lengths, lives, chunks)
+    assert batch.rows == [] and batch.cache is None
+
+
+def test_columns_no_row_needs_are_cut():
+    tok = serve_files.tokenizer()
+    model = serve_files.model()
+    attached = attach(model, lorahook.AdapterSet(geometry_of(model)))
+    long = tok("one two three four five six seven eight nine ten")["input_ids"]
+    batch, _ = make(model, tok, attached, [None], [Request(long, 3, 0.0)])
+    batch.step()
+    batch.admit([None], [Request(tok("hello")["input_ids"], 20, 0.0)])
+    batch.step()
+    assert batch.mask.shape[1] == len(long) + 2  # the short prompt is left-padded to the long row
+    batch.step()
+    batch.step()  # the long request finished: only the short one's columns stay
+    assert len(batch.rows) == 1
+    assert batch.mask.shape[1] == int(batch.mask.sum()) == batch.cache.get_seq_length() + 1
+
+
+def test_caches_that_cannot_take_rows_keep_whole_batches():
+    import transformers
+    tok = serve_files.tokenizer()
+    config = transformers.MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, sliding_window=4)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    attached = attach(model, lorahook.AdapterSet(geometry_of(model)))
+    ids = tok("the cat sat on the mat")["input_ids"]
+    batch, _ = make(model, tok, attached, [None, None], [Request(ids, 2, 0.0), Request(ids, 6, 0.0)])
+    batch.step()
+    assert batch.can_join is False
+    with pytest.raises(RuntimeError, match="cannot take rows"):
+        batch.admit([None], [Request(ids, 2, 0.0)])
+    chunks = run(batch)
+    assert [len(c) for c in chunks] == [1, 5]  # after the first step: 1 and 5 tokens to go
+    assert len(batch.rows) == 2
 
 
 def test_stop_strings_seeds_and_top_p(files):
-    import transformers
-    model_dir, adapters = files
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    attached = attach(model, lorahook.AdapterSet(geometry_of(model), resolver=adapters))
+    model, tok, attached = loaded(files)
     ids = tok("the cat sat")["input_ids"]
-    full = run(Batch(model, tok, attached, [None], [Request(ids, 10, 0.0)], 0, [2]))
+    full = run(make(model, tok, attached, [None], [Request(ids, 10, 0.0)])[0])
     text = "".join(c[0] for c in full[0])
     words = text.split()
     assert len(words) >= 3
     stop = words[2]
-    cut = run(Batch(model, tok, attached, [None], [Request(ids, 10, 0.0, stop=[stop])], 0, [2]))
+    cut = run(make(model, tok, attached, [None], [Request(ids, 10, 0.0, stop=[stop])])[0])
     assert "".join(c[0] for c in cut[0]) == text[:text.find(stop)]
     assert cut[0][-1][1] == "stop"
-    sampled = [run(Batch(model, tok, attached, ["beta"] * 2,
-                         [Request(ids, 8, 1.3, 0.9, seed=7)] * 2, 0, [2])) for _ in range(2)]
+    sampled = [run(make(model, tok, attached, ["beta"] * 2,
+                        [Request(ids, 8, 1.3, 0.9, seed=7)] * 2)[0]) for _ in range(2)]
     assert sampled[0] == sampled[1]  # seeded: the same text every time, on every row
     assert sampled[0][0] == sampled[0][1]
