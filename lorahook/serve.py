@@ -8,7 +8,12 @@ adapters through :func:`lorahook.ray_serve.shared_resolver` over
 for Ray's routing, and :func:`lorahook.ray_serve.batch` in streaming mode:
 requests for different adapters share one batch, generated token by token
 (:mod:`lorahook._engine`), and each request's stream starts with its first
-token and ends when it is done.
+token and ends when it is done.  Batching is continuous where the model's
+cache allows it (transformers' dynamic cache of full-attention layers): a
+request that arrives while a batch decodes joins it at the next step, and a
+finished request's row leaves at once; models with sliding-window or
+linear-attention caches run whole batches.  Each replica reserves
+``--threads`` of Ray's CPUs and runs torch on that many threads.
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (with the tokenizer's chat template) and, with
@@ -106,8 +111,11 @@ def parse_completion(body, kind):
 
 def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
               max_batch_size=16, max_adapters=None, dtype="auto", api_key=None,
-              allow_runtime_adapters=False, batch_wait_timeout_s=0.01, torch_threads=None):
-    """The Ray Serve application (call after ``ray.init``)."""
+              allow_runtime_adapters=False, batch_wait_timeout_s=0.01, threads=1):
+    """The Ray Serve application (call after ``ray.init``).
+
+    Each replica reserves ``threads`` of Ray's CPUs and runs torch on that
+    many threads (Ray alone would give an actor one)."""
     from fastapi import FastAPI, Request as HttpRequest
     from fastapi.responses import JSONResponse, StreamingResponse
     from ray import serve
@@ -127,7 +135,8 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
     async def _error(request, exc):
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @serve.deployment(num_replicas=replicas, max_ongoing_requests=2 * max_batch_size)
+    @serve.deployment(num_replicas=replicas, max_ongoing_requests=2 * max_batch_size,
+                      ray_actor_options={"num_cpus": threads})
     @serve.ingress(api)
     class LorahookServer:
         def __init__(self):
@@ -137,8 +146,8 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
             import lorahook
             from lorahook.torch import attach, geometry_of
 
-            if torch_threads:
-                torch.set_num_threads(torch_threads)
+            torch.set_num_threads(threads)
+            self.threads = torch.get_num_threads()
             lorahook.threads.configure(blas_threads=1)
             kw = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
             self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kw).eval()
@@ -148,6 +157,11 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
             self.eos = [eos] if isinstance(eos, int) else list(eos or [])
             pad = self.tokenizer.pad_token_id
             self.pad = pad if isinstance(pad, int) else (self.eos[0] if self.eos else 0)
+            from lorahook._engine import joinable
+            with torch.inference_mode():  # can requests join a running batch on this cache?
+                probe = self.model(input_ids=torch.tensor([[self.pad]]), use_cache=True)
+            self.joining = joinable(probe.past_key_values)
+            self.generate = self._generate_joining if self.joining else self._generate_fixed
             self.runtime = {}    # name -> (path, version) of adapters loaded at run time
             self.versions = {}   # name -> the version installed here
             self.adapters = lorahook.AdapterSet(geometry_of(self.model),
@@ -155,7 +169,7 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
                                                 resolver=self._resolve)
             self.attached = attach(self.model, self.adapters)
             self.load = multiplexed(self.adapters, 64)
-            self.batches = []  # (requests, distinct adapters) of recent batches
+            self.batches = []  # (requests admitted, distinct adapters then running), recent first
             self.steps, self.step_seconds = 0, 0.0
 
         # --- adapters ------------------------------------------------------
@@ -201,22 +215,46 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
 
         # --- generation ----------------------------------------------------
 
+        def _admit(self, run, names, requests):
+            run.admit(names, requests)
+            self.batches.append((len(names), len({r.name for r in run.open} - {None})))
+            del self.batches[:-1000]
+
+        async def _step(self, run):
+            """One step off the event loop: ``(live request, report)`` per open request."""
+            start = time.perf_counter()
+            reports = await asyncio.to_thread(run.step)
+            self.step_seconds += time.perf_counter() - start
+            self.steps += 1
+            return zip(run.reported, reports)
+
+        @batch(max_batch_size=max_batch_size, batch_wait_timeout_s=batch_wait_timeout_s,
+               max_adapters=max_adapters, continuous=True)
+        async def _generate_joining(self, names, requests):
+            """Requests join between steps; a finished request's row leaves at once."""
+            from lorahook._engine import Batch
+            run = Batch(self.model, self.tokenizer, self.attached, self.pad, self.eos, True)
+            self._admit(run, names, requests)
+            while not run.done:
+                joined = yield [DONE if report is None else (*report, len(live.generated))
+                                for live, report in await self._step(run)]
+                run.retire(joined.left)
+                if joined.names:
+                    self._admit(run, joined.names, joined.items)
+
         @batch(max_batch_size=max_batch_size, batch_wait_timeout_s=batch_wait_timeout_s,
                max_adapters=max_adapters)
-        async def generate(self, names, requests):
+        async def _generate_fixed(self, names, requests):
+            """A cache that cannot take rows (sliding windows, linear attention): whole batches."""
             from lorahook._engine import Batch
-            run = Batch(self.model, self.tokenizer, self.attached, names, requests, self.pad,
-                        self.eos)
-            self.batches.append((len(names), len({n for n in names if n is not None})))
-            del self.batches[:-1000]
+            run = Batch(self.model, self.tokenizer, self.attached, self.pad, self.eos, False)
+            self._admit(run, names, requests)
             while not run.done:
-                start = time.perf_counter()
-                reports = await asyncio.to_thread(run.step)
-                self.step_seconds += time.perf_counter() - start
-                self.steps += 1
-                yield [DONE if report is None else
-                       (report[0], report[1], run.completion_tokens(i))
-                       for i, report in enumerate(reports)]
+                chunks = [DONE] * len(requests)
+                for live, report in await self._step(run):
+                    if report is not None:
+                        chunks[live.index] = (*report, len(live.generated))
+                yield chunks
 
         # --- HTTP ----------------------------------------------------------
 
@@ -235,7 +273,8 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
             """This replica's recent batches and steps, and its adapter set's counters."""
             self._check_key(request)
             return {"batches": self.batches[-100:], "steps": self.steps,
-                    "step_seconds": self.step_seconds, "adapters": self.adapters.stats()}
+                    "step_seconds": self.step_seconds, "torch_threads": self.threads,
+                    "joining": self.joining, "adapters": self.adapters.stats()}
 
         @api.get("/v1/models")
         async def models(self, request: HttpRequest):
@@ -427,6 +466,9 @@ def add_arguments(parser):
                         help="requests generated together in one batch (16)")
     parser.add_argument("--max-adapters", type=int, default=None,
                         help="distinct adapters in one batch (default: no limit)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of each replica, which reserves that many of Ray's "
+                             "CPUs (default: this machine's CPUs divided among the replicas)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="the model's dtype (auto: as saved)")
     parser.add_argument("--address", default="local",
@@ -454,9 +496,10 @@ def _wait_healthy(url, deadline):
 
 def main(args, out=sys.stdout):
     """Run the server until SIGINT or SIGTERM; the exit code."""
-    for name, low in (("replicas", 1), ("max_batch_size", 1), ("port", 1)):
-        if getattr(args, name) < low:
+    for name, low in (("replicas", 1), ("max_batch_size", 1), ("port", 1), ("threads", 1)):
+        if getattr(args, name) is not None and getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
     if not os.path.isdir(args.model_dir):
         raise FileNotFoundError(f"MODEL_DIR {args.model_dir!r} is not a directory")
     if args.adapters and not os.path.isdir(args.adapters):
@@ -477,7 +520,8 @@ def main(args, out=sys.stdout):
         app = build_app(args.model_dir, args.adapters, replicas=args.replicas,
                         capacity_bytes=args.capacity_bytes, max_batch_size=args.max_batch_size,
                         max_adapters=args.max_adapters, dtype=args.dtype, api_key=args.api_key,
-                        allow_runtime_adapters=args.allow_runtime_adapters)
+                        allow_runtime_adapters=args.allow_runtime_adapters,
+                        threads=threads)
         serve.run(app, name="lorahook", route_prefix="/", blocking=False)
         # after Ray's own set-up, which installs handlers of its own
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -140,6 +140,29 @@ def test_a_short_stream_ends_before_a_long_one_in_the_same_batch(server, client)
     assert ends["alpha"] < ends["beta"]
 
 
+def _admissions(server):
+    return httpx.get(server["url"] + "/lorahook/stats", timeout=30,
+                     headers={"Authorization": f"Bearer {KEY}"}).json()["batches"]
+
+
+def test_a_request_joins_a_running_stream_and_ends_first(server, client, tokenizer):
+    prompt = "the dog runs over the mat"
+    before = len(_admissions(server))
+    stream = iter(client.completions.create(model="beta", prompt=prompt, max_tokens=120,
+                                            temperature=0, stream=True))
+    chunks = [next(stream)]  # beta is decoding
+    short = client.completions.create(model="alpha", prompt="hello", max_tokens=2,
+                                      temperature=0)
+    chunks += list(stream)
+    # alpha joined beta's running batch (two adapters open) and finished while beta went on
+    assert _admissions(server)[before:] == [[1, 1], [1, 2]]
+    assert short.choices[0].text == _reference(server, tokenizer, "alpha",
+                                               tokenizer("hello")["input_ids"], 2)
+    ids = tokenizer(prompt)["input_ids"]
+    assert "".join(c.choices[0].text for c in chunks) == _reference(server, tokenizer, "beta",
+                                                                     ids, 120)
+
+
 def test_concurrent_mixed_requests_are_all_right(server, client, tokenizer):
     names = [server["base"], *NAMES]
     prompt = "what is the big red star"
