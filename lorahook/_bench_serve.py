@@ -34,13 +34,14 @@ def tokenizer(chat=True):
                                    chat_template=CHAT_TEMPLATE if chat else None)
 
 
-def model(hidden=64, layers=2):
+def model(hidden=64, layers=2, intermediate=None, heads=4, kv_heads=2):
     import torch
     import transformers
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=len(SPECIAL) + len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(SPECIAL) + len(WORDS), hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=256, initializer_range=0.3, pad_token_id=0, bos_token_id=1,
         eos_token_id=2)
     return transformers.LlamaForCausalLM(config).eval()
@@ -176,22 +177,49 @@ def lone(url, name):
     return times[len(times) // 2]
 
 
-def run(workdir, adapters=8, requests=64, max_tokens=32, hidden=1024, layers=4,
-        max_batch_size=32):
-    """Both servers on the same burst; a dict of figures."""
+# Model shapes the benchmark serves (random weights, the test tokenizer's small vocabulary).
+SIZES = {
+    # a small model whose steps cost little next to HTTP streaming on a shared machine
+    "small": dict(hidden=1024, layers=4),
+    # the shape of a 0.5B decoder (Qwen2.5-0.5B's layers, as a Llama): what a CPU serves
+    "0.5b": dict(hidden=896, layers=24, intermediate=4864, heads=14, kv_heads=2),
+}
+
+
+def run(workdir, size="0.5b", adapters=8, requests=64, max_tokens=32, max_batch_size=64,
+        threads=1):
+    """Both servers on the same burst; a dict of figures.
+
+    Both run with ``--threads threads`` (the rest of the machine is left to
+    Ray's proxy and the clients) and ``--max-batch-size max_batch_size``;
+    they differ only in ``--max-adapters 1``.
+    """
     names = [f"adapter{i}" for i in range(adapters)]
-    model_dir, adapters_dir = save_all(workdir, names, hidden=hidden, layers=layers)
-    out = {}
+    model_dir, adapters_dir = save_all(workdir, names, **SIZES[size])
+    out = {"size": size, "model": SIZES[size], "max_batch_size": max_batch_size,
+           "threads": threads}
     for label, extra in (("mixed", ()), ("one adapter per forward", ("--max-adapters", "1"))):
         proc, url = start_server(model_dir, adapters_dir, "--max-batch-size",
-                                 str(max_batch_size), *extra)
+                                 str(max_batch_size), "--threads", str(threads), *extra)
         try:
             burst(url, names, 8, 4)  # warm-up: every adapter resident
+            before = _stats(url)
             rps, ttft = burst(url, names, requests, max_tokens)
+            after = _stats(url)
             out[label] = {"requests_per_s": rps, "median_ttft_s": ttft,
+                          "steps": after["steps"] - before["steps"],
+                          "admissions (requests, adapters running)":
+                              after["batches"][len(before["batches"]):],
                           "lone_ttft_s, lone_1_token_s": lone(url, names[0])}
         finally:
             stop_server(proc)
     out["mixed / one adapter per forward (requests/s)"] = (
         out["mixed"]["requests_per_s"] / out["one adapter per forward"]["requests_per_s"])
+    lone_ttft, one_token = out["mixed"]["lone_ttft_s, lone_1_token_s"]
+    out["lone first token / one-token completion"] = lone_ttft / one_token
     return out
+
+
+def _stats(url):
+    import httpx
+    return httpx.get(url + "/lorahook/stats", timeout=60).json()
