@@ -27,6 +27,9 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     sizes = list(_bench_serve.SIZES) if args.size == "all" else [args.size]
+    import lorahook
+    blas = lorahook.threads.info()["blas"]  # the servers inherit this environment
+    print(f"lorahook's BLAS: {blas['internal_api']} {blas['version']}, {blas['architecture']} kernel")
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix="lorahook-serve-bench-") as tmp:
             print(json.dumps(_bench_serve.run(tmp, size, max_batch_size=args.max_batch_size,

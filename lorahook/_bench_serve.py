@@ -208,8 +208,8 @@ def run(workdir, size="0.5b", adapters=8, requests=64, max_tokens=32, max_batch_
             after = _stats(url)
             out[label] = {"requests_per_s": rps, "median_ttft_s": ttft,
                           "steps": after["steps"] - before["steps"],
-                          "admissions (requests, adapters running)":
-                              after["batches"][len(before["batches"]):],
+                          "admissions": [f"{n} requests, {k} adapters running" for n, k in
+                                         after["batches"][len(before["batches"]):]],
                           "lone_ttft_s, lone_1_token_s": lone(url, names[0])}
         finally:
             stop_server(proc)
