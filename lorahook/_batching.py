@@ -728,8 +728,8 @@ def batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_adapters=None, conti
         Pending calls join a running batch between its steps instead of
         waiting for it to end.  Each step of ``f`` holds one entry per *open*
         item: the items it was called with and those that joined later, in
-        the order they came, without the items already finished (one step
-        after ``f`` yielded :data:`DONE` for them) or left.  After each step
+        the order they came, without those ``f`` yielded :data:`DONE` for in
+        an earlier step and those that left.  After each step
         ``f`` is sent (as the value of its ``yield``) a :class:`Joined`
         ``(names, items, left)``: ``left`` lists the positions, in the step
         just yielded, of items whose callers stopped listening (they leave

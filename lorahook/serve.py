@@ -163,7 +163,7 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
             self.joining = joinable(probe.past_key_values)
             self.generate = self._generate_joining if self.joining else self._generate_fixed
             self.runtime = {}    # name -> (path, version) of adapters loaded at run time
-            self.versions = {}   # name -> the version installed here
+            self.paths = {}      # "name/vN" -> path: every runtime version a request was given
             self.adapters = lorahook.AdapterSet(geometry_of(self.model),
                                                 capacity_bytes=capacity_bytes,
                                                 resolver=self._resolve)
@@ -174,26 +174,42 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
 
         # --- adapters ------------------------------------------------------
 
+        # A runtime adapter is installed as "name/vN", one name per version (no
+        # directory adapter can have a "/"): a request keeps the version it was
+        # given for all its steps, even when a reload comes while it decodes.
+
         def _resolve(self, name):
-            entry = self.runtime.get(name)
-            if entry is not None:
-                return lorahook_from_peft(entry[0])
-            return shared(name) if shared is not None else None
+            path = self.paths.get(name)
+            if path is not None:
+                return lorahook_from_peft(path)
+            return shared(name) if shared is not None and "/" not in name else None
 
         async def _sync_runtime(self):
-            if allow_runtime_adapters:
-                self.runtime = await registry.entries.remote()
+            if not allow_runtime_adapters:
+                return
+            entries = await registry.entries.remote()
+            if entries == self.runtime:
+                return
+            self.runtime = entries
+            current = {f"{name}/v{version}" for name, (_, version) in entries.items()}
+            for key in set(self.paths) - current:  # replaced or unloaded: free it here
+                try:                               # (a request still decoding reloads it)
+                    self.adapters.remove(key)
+                except KeyError:
+                    pass                           # not resident here
 
         async def _adapter(self, model):
             """The adapter name for a request's ``model`` (``None``: the base model)."""
             if model == base_id:
                 return None
             await self._sync_runtime()
-            version = self.runtime.get(model, (None, 0))[1]
-            if self.versions.get(model, version) != version and model in self.adapters:
-                self.adapters.remove(model)  # replaced at run time: load the new files
+            key = model
+            if model in self.runtime:
+                path, version = self.runtime[model]
+                key = f"{model}/v{version}"
+                self.paths[key] = path
             try:
-                name = await self.load(model)
+                name = await self.load(key)
             except KeyError:
                 raise RequestError(404, f"The model '{model}' does not exist", "model",
                                    code="model_not_found") from None
@@ -203,7 +219,6 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
             except ValueError as exc:  # LoraFormatError / LoraValidationError
                 raise RequestError(400, f"adapter '{model}' cannot be served: "
                                         f"{type(exc).__name__}", "model") from None
-            self.versions[model] = version
             return name
 
         def _listed(self):

@@ -220,10 +220,17 @@ def test_runtime_adapters_load_reload_and_unload(server, client, tokenizer):
     assert r.status_code == 200, r.text
     assert "extra" in [m.id for m in client.models.list().data]
     assert ask() == _reference(server, tokenizer, "extra", ids, 8, server["spare"])
+    # a reload while a request decodes: that request keeps the old version to its end
+    running = iter(client.completions.create(model="extra", prompt="the sun and the moon",
+                                             max_tokens=200, temperature=0, stream=True))
+    chunks = [next(running)]
     r = httpx.post(server["url"] + "/v1/load_lora_adapter", headers=headers, timeout=60,
                    json={"lora_name": "extra", "lora_path": server["spare2"]})
     assert r.status_code == 200
     assert ask() == _reference(server, tokenizer, "extra", ids, 8, server["spare2"])
+    chunks += list(running)
+    assert "".join(c.choices[0].text for c in chunks) == _reference(
+        server, tokenizer, "extra", ids, 200, server["spare"])
     r = httpx.post(server["url"] + "/v1/unload_lora_adapter", headers=headers, timeout=60,
                    json={"lora_name": "extra"})
     assert r.status_code == 200
