@@ -543,7 +543,10 @@ def main(args, out=sys.stdout):
             signal.signal(sig, lambda *_: stop.set())
         url = f"http://{args.host}:{args.port}"
         if not _wait_healthy(url, time.monotonic() + 300):
-            raise RuntimeError(f"the server did not answer at {url}/health")
+            raise RuntimeError(f"the server did not answer at {url}/health (each of the "
+                               f"{args.replicas} replicas reserves {threads} of Ray's CPUs: "
+                               f"{ray.cluster_resources().get('CPU', 0):g} in this cluster; "
+                               f"see --threads)")
         print(f"lorahook serve: {url}/v1 (model '{os.path.basename(os.path.abspath(args.model_dir))}')",
               file=out, flush=True)
         while not stop.wait(0.5):
