@@ -18,9 +18,11 @@ finished row decodes on unreported until the batch ends.
 
 Pure torch and transformers: no Ray, no HTTP.
 """
+import inspect
+
 import torch
 
-__all__ = ["Request", "Batch", "joinable"]
+__all__ = ["Request", "Batch", "joinable", "cache_of"]
 
 
 class Request:
@@ -49,8 +51,23 @@ def _held_back(text, stops):
     return held
 
 
+def cache_of(output):
+    """A forward's cache: ``output.cache`` (transformers 5.x renamed ``past_key_values``)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def _cache_argument(model):
+    """The name under which ``model``'s forward takes the cache."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def joinable(cache):
-    """Whether rows can be added to and dropped from ``cache`` (a model's ``past_key_values``)."""
+    """Whether rows can be added to and dropped from ``cache`` (a forward's :func:`cache_of`)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
     return (type(cache) is DynamicCache and bool(cache.layers)
             and all(type(layer) is DynamicLayer and layer.is_initialized
@@ -82,6 +99,7 @@ class Batch:
         self.pad = pad_token_id
         self.eos = frozenset(eos_ids)
         self.can_join = can_join  # None: decided by the first prefill's cache
+        self._cache_arg = _cache_argument(model)
         self.open = []       # admitted requests not yet reported done, in admission order
         self.rows = []       # the request of each row of the tensors below
         self.waiting = []    # admitted, to prefill at the next step
@@ -152,8 +170,8 @@ class Batch:
     def _decode(self, reports):
         out = self._forward([live.name for live in self.rows], input_ids=self.input_ids,
                             attention_mask=self.mask, position_ids=self.positions,
-                            past_key_values=self.cache)
-        self.cache = out.past_key_values
+                            **{self._cache_arg: self.cache})
+        self.cache = cache_of(out)
         tokens = self._next_tokens(self.rows, out.logits[:, -1, :].float())
         self.input_ids = torch.tensor(tokens, dtype=torch.long)[:, None]
         self.positions = self.positions + 1
@@ -174,9 +192,9 @@ class Batch:
         out = self._forward([live.name for live in lives], input_ids=ids, attention_mask=mask,
                             position_ids=positions)
         if self.can_join is None:
-            self.can_join = joinable(out.past_key_values)
+            self.can_join = joinable(cache_of(out))
         tokens = self._next_tokens(lives, out.logits[:, -1, :].float())
-        new = (out.past_key_values, torch.tensor(tokens, dtype=torch.long)[:, None],
+        new = (cache_of(out), torch.tensor(tokens, dtype=torch.long)[:, None],
                torch.cat([mask, torch.ones((len(lives), 1), dtype=torch.long)], dim=1),
                positions[:, -1:] + 1)
         if self.rows:

@@ -157,10 +157,10 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
             self.eos = [eos] if isinstance(eos, int) else list(eos or [])
             pad = self.tokenizer.pad_token_id
             self.pad = pad if isinstance(pad, int) else (self.eos[0] if self.eos else 0)
-            from lorahook._engine import joinable
+            from lorahook._engine import cache_of, joinable
             with torch.inference_mode():  # can requests join a running batch on this cache?
                 probe = self.model(input_ids=torch.tensor([[self.pad]]), use_cache=True)
-            self.joining = joinable(probe.past_key_values)
+            self.joining = joinable(cache_of(probe))
             self.generate = self._generate_joining if self.joining else self._generate_fixed
             self.runtime = {}    # name -> (path, version) of adapters loaded at run time
             self.paths = {}      # "name/vN" -> path: every runtime version a request was given
