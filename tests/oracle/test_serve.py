@@ -163,6 +163,21 @@ def test_a_request_joins_a_running_stream_and_ends_first(server, client, tokeniz
                                                                      ids, 120)
 
 
+def test_a_client_that_disconnects_frees_its_row(server, client):
+    kw = dict(model="beta", prompt="the dog runs over the mat", max_tokens=240, temperature=0)
+    assert client.completions.create(**kw).choices[0].finish_reason == "length"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server["url"] + "/v1/completions", headers=headers, timeout=60,
+                      json=dict(kw, stream=True)) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up
+    start = httpx.get(server["url"] + "/lorahook/stats", headers=headers, timeout=30).json()["steps"]
+    time.sleep(1.0)
+    steps = httpx.get(server["url"] + "/lorahook/stats", headers=headers, timeout=30).json()["steps"]
+    assert steps - start < 120  # the request left its batch, far short of its 240 tokens
+
+
 def test_concurrent_mixed_requests_are_all_right(server, client, tokenizer):
     names = [server["base"], *NAMES]
     prompt = "what is the big red star"
