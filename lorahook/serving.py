@@ -412,19 +412,26 @@ class AdapterSet:
             if self._resolver is None:
                 _refuse_unknown(what, set(missing), snap)
             jobs, mine = self._claim(missing)
+            keep = False  # this thread's finished loads stay claimed, to be installed
             try:
                 for name in sorted(mine):
                     self._run_load(name, jobs[name])
                 for job in jobs.values():
                     job.done.wait()
+                if any(job.abandoned for job in jobs.values()):
+                    keep = True
+                    continue  # an owner was interrupted: load those names again
+                for name in sorted(jobs):
+                    if jobs[name].error is not None:
+                        raise jobs[name].error
+                try:
+                    found = self._install(names, snap, jobs)
+                finally:
+                    # installed, or (LoraCapacityError) not: a bind that cannot fit
+                    # changes nothing, and its loads stay claimed for their next use
+                    keep = True
             finally:
-                self._release(jobs, mine)
-            if any(job.abandoned for job in jobs.values()):
-                continue  # an owner was interrupted: load those names again
-            for name in sorted(jobs):
-                if jobs[name].error is not None:
-                    raise jobs[name].error
-            found = self._install(names, snap, jobs)
+                self._release(jobs, mine, keep)
             if found is not None:
                 return found
 
@@ -461,8 +468,15 @@ class AdapterSet:
                 self._stats["load_seconds"] += time.perf_counter() - start
             job.done.set()
 
-    def _release(self, jobs, mine):
-        """Give up the loads this thread owns and did not finish (it was interrupted)."""
+    def _release(self, jobs, mine, keep):
+        """Give up the loads this thread owns and did not finish (it was interrupted).
+
+        Unless ``keep`` (installed, looked up again, or part of a bind that
+        could not fit), the loads it did finish are installed now, though
+        another load of the call failed or was interrupted after them: one
+        resolver call, one load, and nothing left claimed.  One that cannot
+        fit now stays claimed for its next use.
+        """
         for name in mine:
             job = jobs[name]
             if not job.done.is_set():
@@ -471,6 +485,21 @@ class AdapterSet:
                     if self._loading.get(name) is job:
                         del self._loading[name]
                 job.done.set()
+            elif not keep and job.error is None and not job.abandoned:
+                self._install_finished(name, job)
+
+    def _install_finished(self, name, job):
+        with self._lock:
+            if job.installed or self._loading.get(name) is not job:
+                return  # a waiting thread installed it already
+            try:
+                self._commit({name: job.entry}, protect=(name,))
+            except LoraCapacityError:
+                return
+            job.installed = True
+            del self._loading[name]
+            self._stats["loads"] += 1
+            self._touch((name,))
 
     def _install(self, names, snap, jobs):
         """Install the finished loads of ``names``; the snapshot, or ``None`` to look again."""
@@ -838,9 +867,9 @@ class _Bound(_rows.UnitGroups, LoraHook):
     def apply(self, layer_idx, module, x, output):
         """Not supported: a bound hook is applied to whole batches only."""
         raise TypeError(
-            f"a bound AdapterSet hook has no meaning for a lone row: call "
-            f"lorahook.apply_lora_rows(hook, layer_idx, module, input, output, "
-            f"input_row_width, output_row_width) with the whole batch")
+            "a bound AdapterSet hook has no meaning for a lone row: call "
+            "lorahook.apply_lora_rows(hook, layer_idx, module, input, output, "
+            "input_row_width, output_row_width) with the whole batch")
 
     # --- geometry -----------------------------------------------------------
 

@@ -73,6 +73,7 @@ def test_nbytes_is_within_the_bound_and_covers_what_the_adapter_holds():
     shapes = [(64, 96, 16), (96, 64, 8), (32, 200, 4)]
     raw = [(rng.standard_normal((r, i)).astype(np.float32),
             rng.standard_normal((o, r)).astype(np.float32)) for i, o, r in shapes]
+    LoraAdapter({(0, "q_proj"): LoraLayer(*raw[0])})  # first-use imports are not the adapter's
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
@@ -547,3 +548,32 @@ def test_stats_add_up_with_interrupted_and_failing_loads_pins_and_binds(store):
     assert stats["loading"] == 0 and stats["evictions"] > 0
     assert stats["resident"] == stats["loads"] - stats["evictions"]
     assert counts["resolved"] == stats["loads"]
+
+
+def test_a_call_that_fails_after_a_load_installs_it_and_leaves_nothing_claimed(store):
+    # A call that loads one name and then fails on another (an error, or an
+    # interrupt in the resolver) installs what it loaded -- one resolver call,
+    # one load -- and leaves no load claimed ("loading" back to 0).
+    root, written = store
+    calls = []
+
+    def resolve(name):
+        calls.append(name)
+        if name == "v-broken":
+            raise LoraFormatError("broken on purpose")
+        if name == "t5" and calls.count("t5") == 1:
+            raise KeyboardInterrupt
+        return str(root / name)
+
+    s = AdapterSet(resolver=resolve)
+    with pytest.raises(LoraFormatError):
+        s.bind(["t0", "v-broken"])  # t0 is loaded first (sorted), then v-broken fails
+    assert s.stats()["loading"] == 0 and "t0" in s
+    with pytest.raises(KeyboardInterrupt):
+        s.bind(["t1", "t5"])  # t1 is loaded first (sorted), then t5 is interrupted
+    assert s.stats()["loading"] == 0 and "t1" in s
+    names = ["t0", "t1", "t5"]
+    _check_rows(s.bind(names), names, written,
+                np.random.default_rng(0).standard_normal((3, D_IN)).astype(np.float32))
+    assert calls == ["t0", "v-broken", "t1", "t5", "t5"]
+    assert s.stats()["loads"] == 3 and s.stats()["loading"] == 0
