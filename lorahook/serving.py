@@ -235,7 +235,9 @@ class AdapterSet:
     :class:`~lorahook.LoraFormatError`), or a callable ``name -> LoraAdapter |
     path | None`` (``None``: unknown, ``KeyError``; anything else a
     ``TypeError``).  A load that fails raises its error, changes nothing, and
-    reaches every thread waiting on it; the next use tries again.
+    reaches every thread waiting on it; the next use tries again.  The other
+    names of that call that did load are installed (each resolver call is
+    one load), unless the call was a bind that could not fit.
     Concurrent first uses of one name load it once, and no lock is held
     while a file is read or an adapter validated: a slow load never blocks
     binds that need only resident adapters.
