@@ -310,10 +310,7 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
 
         async def _complete(self, request, kind):
             self._check_key(request)
-            try:
-                body = await request.json()
-            except ValueError:
-                raise RequestError(400, "the request body is not valid JSON") from None
+            body = await _json_body(request)
             settings = parse_completion(body, kind)
             prompt_ids = self._prompt(body, kind)
             name = await self._adapter(settings["model"])
@@ -381,12 +378,16 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
             finally:
                 await stream.aclose()
 
-        @api.post("/v1/load_lora_adapter")
-        async def load_lora_adapter(self, request: HttpRequest):
+        async def _runtime_body(self, request):
+            """The body of a load / unload request (404 unless runtime adapters are on)."""
             self._check_key(request)
             if not allow_runtime_adapters:
                 raise RequestError(404, "runtime adapters are off (--allow-runtime-adapters)")
-            body = await request.json()
+            return await _json_body(request)
+
+        @api.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(self, request: HttpRequest):
+            body = await self._runtime_body(request)
             name, path = body.get("lora_name"), body.get("lora_path")
             if not isinstance(name, str) or not name or name == base_id or "/" in name:
                 raise RequestError(400, "'lora_name' must be a non-empty name other than the "
@@ -404,16 +405,23 @@ def build_app(model_dir, adapters_dir=None, *, replicas=1, capacity_bytes=None,
 
         @api.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(self, request: HttpRequest):
-            self._check_key(request)
-            if not allow_runtime_adapters:
-                raise RequestError(404, "runtime adapters are off (--allow-runtime-adapters)")
-            body = await request.json()
-            name = body.get("lora_name")
+            name = (await self._runtime_body(request)).get("lora_name")
             if not await registry.remove.remote(name):
                 raise RequestError(404, f"no runtime adapter named '{name}'", "lora_name")
             return {"status": "ok", "lora_name": name}
 
     return LorahookServer.bind()
+
+
+async def _json_body(request):
+    """A request's JSON object (``RequestError`` 400 for anything else)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise RequestError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    return body
 
 
 def lorahook_from_peft(path):

@@ -218,6 +218,12 @@ def test_errors_are_openai_error_objects(server, client):
     assert resp.status_code == 401 and set(resp.json()["error"]) == {"message", "type", "param",
                                                                       "code"}
     assert httpx.get(server["url"] + "/health", timeout=30).status_code == 200
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/v1/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        for body in (b"{not json", b"[1, 2]"):
+            resp = httpx.post(server["url"] + path, content=body, headers=headers, timeout=30)
+            assert resp.status_code == 400, (path, body, resp.text)
+            assert resp.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_runtime_adapters_load_reload_and_unload(server, client, tokenizer):
