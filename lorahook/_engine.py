@@ -77,14 +77,13 @@ def joinable(cache):
 class _Live:
     """One admitted request: its adapter, what it generated and sent, and how it ended."""
 
-    __slots__ = ("name", "request", "index", "generated", "sent", "reason", "rng", "reported")
+    __slots__ = ("name", "request", "index", "generated", "sent", "reason", "rng")
 
     def __init__(self, name, request, index):
         self.name, self.request, self.index = name, request, index
         self.generated = []
         self.sent = ""
-        self.reason = None      # the finish reason, once finished
-        self.reported = False   # its finish was reported (the step after, it is DONE)
+        self.reason = None  # the finish reason, once finished (reported then; DONE a step later)
         self.rng = None
         if request.seed is not None:
             self.rng = torch.Generator()
@@ -145,6 +144,7 @@ class Batch:
         (the request then leaves :attr:`open`).  :attr:`reported` lists the
         requests reported on, in order.
         """
+        done = {id(live) for live in self.open if live.reason is not None}  # reported last step
         reports = {}
         with torch.inference_mode():
             if self.rows:
@@ -152,13 +152,7 @@ class Batch:
             if self.waiting:
                 self._prefill(reports)
         self.reported = list(self.open)
-        out = []
-        for live in self.reported:
-            if live.reported:
-                out.append(None)
-            else:
-                out.append(reports.get(id(live), ("", None)))
-                live.reported = live.reason is not None
+        out = [None if id(live) in done else reports[id(live)] for live in self.reported]
         self.open = [live for live, report in zip(self.reported, out) if report is not None]
         self._drop_finished()
         return out

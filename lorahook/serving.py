@@ -488,20 +488,10 @@ class AdapterSet:
                         del self._loading[name]
                 job.done.set()
             elif not keep and job.error is None and not job.abandoned:
-                self._install_finished(name, job)
-
-    def _install_finished(self, name, job):
-        with self._lock:
-            if job.installed or self._loading.get(name) is not job:
-                return  # a waiting thread installed it already
-            try:
-                self._commit({name: job.entry}, protect=(name,))
-            except LoraCapacityError:
-                return
-            job.installed = True
-            del self._loading[name]
-            self._stats["loads"] += 1
-            self._touch((name,))
+                try:
+                    self._install((name,), self._installed, {name: job})
+                except LoraCapacityError:
+                    pass
 
     def _install(self, names, snap, jobs):
         """Install the finished loads of ``names``; the snapshot, or ``None`` to look again."""
