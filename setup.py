@@ -30,6 +30,8 @@ MODULES = {
     "_kernels": {"libraries": ["dl"] if sys.platform.startswith("linux") else []},
     "_rows": {},
     "_load": {},
+    # LoRA over stacked per-slot factors (the layout serving engines keep)
+    "_stacked": {},
     "_testing": {},
 }
 

@@ -1,0 +1,70 @@
+/* Per-thread scratch memory for the kernels:
+ *
+ *   float *lorahook_scratch_slot(size_t n, int slot, int *owned);
+ *
+ * Static, touching no Python object: callable without the GIL.  The cache is
+ * per translation unit: each compiled module that includes this header
+ * (lorahook/_kernels.pyx, lorahook/_stacked.pyx) keeps its own areas.
+ */
+#ifndef LORAHOOK_SCRATCH_H
+#define LORAHOOK_SCRATCH_H
+
+#include <pthread.h>
+#include <stdlib.h>
+
+/* A per-thread scratch buffer, reused across calls so that the batched
+   kernels do not page-fault on a fresh temporary every projection.  Freed
+   by the pthread key destructor when the thread exits.  (Thread-local
+   storage only: no thread is started here.) */
+#define LORAHOOK_SCRATCH_CACHE_FLOATS ((size_t)1 << 20)
+
+/* Three independent areas per thread: 0 for the float32 kernels, 1 for
+   half-precision rows widened to float32, 2 for half-precision adapter
+   weights widened to float32. */
+#define LORAHOOK_SCRATCH_SLOTS 3
+typedef struct { float *data[LORAHOOK_SCRATCH_SLOTS]; size_t len[LORAHOOK_SCRATCH_SLOTS]; } lorahook_buf;
+static pthread_key_t lorahook_key;
+static pthread_once_t lorahook_once = PTHREAD_ONCE_INIT;
+static int lorahook_key_ok = 0;
+
+static void lorahook_buf_free(void *p) {
+    lorahook_buf *b = (lorahook_buf *)p;
+    int i;
+    if (b != NULL) {
+        for (i = 0; i < LORAHOOK_SCRATCH_SLOTS; i++) free(b->data[i]);
+        free(b);
+    }
+}
+static void lorahook_make_key(void) {
+    lorahook_key_ok = (pthread_key_create(&lorahook_key, lorahook_buf_free) == 0);
+}
+/* Returns a buffer of at least n floats, or NULL when out of memory.
+   *owned is set to 1 when the caller must free() it (requests larger
+   than the cache, or no thread-local storage available). */
+static float *lorahook_scratch_slot(size_t n, int slot, int *owned) {
+    lorahook_buf *b;
+    *owned = 0;
+    if (n == 0) n = 1;
+    pthread_once(&lorahook_once, lorahook_make_key);
+    if (!lorahook_key_ok || n > LORAHOOK_SCRATCH_CACHE_FLOATS) {
+        *owned = 1;
+        return (float *)malloc(n * sizeof(float));
+    }
+    b = (lorahook_buf *)pthread_getspecific(lorahook_key);
+    if (b == NULL) {
+        b = (lorahook_buf *)calloc(1, sizeof(lorahook_buf));
+        if (b == NULL) return NULL;
+        if (pthread_setspecific(lorahook_key, b) != 0) { free(b); *owned = 1;
+            return (float *)malloc(n * sizeof(float)); }
+    }
+    if (b->len[slot] < n) {
+        float *p = (float *)malloc(n * sizeof(float));
+        if (p == NULL) return NULL;
+        free(b->data[slot]);
+        b->data[slot] = p;
+        b->len[slot] = n;
+    }
+    return b->data[slot];
+}
+
+#endif /* LORAHOOK_SCRATCH_H */
