@@ -40,10 +40,11 @@ def _close(got, ref, tol):
     assert err <= tol * max(np.max(np.abs(ref)), 1e-30), (err, np.max(np.abs(ref)))
 
 
-@pytest.mark.parametrize("mode", ["both", "a", "b"])
+@pytest.mark.parametrize("mode", ["both", "a", "b", "both-bt", "b-bt"])
 @pytest.mark.parametrize("half", [None, "float16", "bfloat16"])
 @pytest.mark.parametrize("n_rows", [1, 7, 64, 600])
 def test_matches_float64_reference(mode, half, n_rows):
+    mode, _, layout = mode.partition("-")
     n_slots, rank, d_in, d_out = 5, 6, 40, 24
     if mode == "a":
         d_out = rank
@@ -62,6 +63,8 @@ def test_matches_float64_reference(mode, half, n_rows):
     a16, a = _half(RNG.standard_normal((n_slots + 1, rank, d_in)) * 0.1, half)
     b16, b = _half(RNG.standard_normal((n_slots + 1, d_out, rank)) * 0.1, half)
     args = dict(a=a16 if mode != "b" else None, b=b16 if mode != "a" else None)
+    if layout == "bt":  # B given transposed, (slots, rank, d_out)
+        args["bt"] = np.ascontiguousarray(args.pop("b").transpose(0, 2, 1))
     apply_slots(SlotRows(slots, n_slots), x16, y16, scale=0.75, half=half, **args)
     ref = _reference(slots, x, wide64[:, 3:3 + d_out], a if mode != "b" else None,
                      b if mode != "a" else None, 0.75, True)
@@ -143,6 +146,10 @@ def test_refusals_of_calls():
     g, x, y, a, b = _good()
     with pytest.raises(ValueError, match="needs a, b or both"):
         apply_slots(g, x, y)
+    with pytest.raises(ValueError, match="give b or bt, not both"):
+        apply_slots(g, x, y, a, b, bt=b)
+    with pytest.raises(ValueError, match=r"bt of shape \(2, 6, 4\) must have shape\[2\] == d_out"):
+        apply_slots(g, x, y, a, bt=b)
     y.flags.writeable = False
     with pytest.raises(ValueError, match="y must be writable"):
         apply_slots(g, x, y, a, b)

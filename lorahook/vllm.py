@@ -1,0 +1,347 @@
+"""lorahook inside vLLM on CPUs: the punica wrapper that runs vLLM's multi-LoRA on lorahook's kernels.
+
+Installing ``lorahook[vllm]`` beside a CPU build of vLLM registers a vLLM
+general plugin (entry-point group ``vllm.general_plugins``, name
+``lorahook``), which vLLM loads in every process it starts.  On a CPU
+platform the plugin makes ``current_platform.get_punica_wrapper()`` name
+:class:`PunicaWrapperLorahook`, so an unchanged ``vllm serve MODEL
+--enable-lora ...`` or ``vllm.LLM(..., enable_lora=True)`` applies its
+adapters with lorahook.  ``VLLM_PLUGINS`` (vLLM's own allowlist) turns it off:
+``VLLM_PLUGINS=none`` runs vLLM's own kernels.
+
+What the wrapper does differently from vLLM's CPU wrapper, whose methods it
+overrides one for one: vLLM's CPU ops copy every token's ``A`` and ``B`` out
+of the stacked slot weights before an ``einsum``.  This wrapper groups the
+step's rows by slot once, in :meth:`~PunicaWrapperLorahook.update_metadata`
+(:class:`lorahook._stacked.SlotRows`), and every projection then runs two
+matrix products per slot on vLLM's own tensors, viewed without a copy
+(:func:`lorahook._stacked.apply_slots`, with the GIL released).  Rows without
+an adapter are never written.  float32, bfloat16 and float16 tensors are
+served; anything else (a mix of two 16-bit kinds, a tensor on another device)
+goes to vLLM's own op for that call.
+
+This is the one module of lorahook that imports vLLM; ``import lorahook``
+never does.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from lorahook._stacked import SlotRows, apply_slots
+
+__all__ = ["PunicaWrapperLorahook", "register", "QUALNAME"]
+
+#: What ``current_platform.get_punica_wrapper()`` names once the plugin is active.
+QUALNAME = "lorahook.vllm.PunicaWrapperLorahook"
+_CPU_QUALNAME = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"
+
+# vLLM's handler prints loggers under "vllm"; this one sits beside vLLM's own.
+logger = logging.getLogger("vllm.lorahook")
+
+# The wrapper methods this module replaces, with the parameters it relies on
+# (checked against the installed vLLM when the plugin loads).
+_INTERFACE = {
+    "update_metadata": ("mapping", "lora_index_to_id", "max_loras", "vocab_size"),
+    "add_shrink": ("y", "x", "lora_a_stacked", "scale"),
+    "add_expand": ("y", "x", "lora_b_stacked", "output_slices", "offset_start", "add_inputs"),
+    "add_lora_embedding": ("y", "x", "lora_b_stacked", "add_inputs"),
+    "add_lora_linear": ("y", "x", "lora_a_stacked", "lora_b_stacked", "scale",
+                        "output_slices", "buffer"),
+    "add_lora_logits": ("y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "buffer"),
+    "apply_lora_full_linear": ("y", "x", "weight_stacked", "bias_stacked", "module_enabled"),
+}
+
+_HALF = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU  # noqa: E402
+
+
+class _Fallback(Exception):
+    """A call lorahook does not serve: vLLM's own op runs it."""
+
+
+def _array(t: torch.Tensor, half: list) -> np.ndarray:
+    """A numpy view of a CPU tensor (16-bit tensors as uint16 patterns); ``half`` collects kinds."""
+    if t.device.type != "cpu":
+        raise _Fallback
+    if t.dtype == torch.float32:
+        return t.detach().numpy()
+    kind = _HALF.get(t.dtype)
+    if kind is None:
+        raise _Fallback
+    if kind not in half:
+        half.append(kind)
+    return t.detach().view(torch.int16).numpy().view(np.uint16)
+
+
+class PunicaWrapperLorahook(PunicaWrapperCPU):
+    """vLLM's CPU punica wrapper with lorahook's grouped kernels behind every method.
+
+    The slot grouping of the step's tokens (and of its sampled rows, for the
+    logits) is built once per :meth:`update_metadata`; each projection then
+    runs :func:`lorahook._stacked.apply_slots` on vLLM's tensors.  Results
+    equal vLLM's CPU ops to float32 rounding (a row's result does not depend
+    on the other slots' rows; 16-bit outputs are rounded once).
+    """
+
+    def __init__(self, max_num_batched_tokens: int, max_batches: int,
+                 device: torch.device | str, **kwargs):
+        super().__init__(max_num_batched_tokens, max_batches, device, **kwargs)
+        self._tokens: SlotRows | None = None
+        self._sampled: SlotRows | None = None
+        # vLLM's stacked weights as the kernels take them, made once per tensor (they
+        # live as long as the model); each entry keeps its tensor, so its id is never
+        # reused: [tensor, view, 16-bit kinds, copied, copy, version copied]
+        self._views: dict[int, list] = {}
+
+    # -- per step ---------------------------------------------------------------------------
+    def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
+        super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
+        slots = len(lora_index_to_id)
+        self._tokens = SlotRows(self.token_lora_indices.numpy(), slots)
+        self._sampled = SlotRows(self.sampler_indices.numpy(), slots)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _factor(self, t: torch.Tensor, half: list, transpose: bool = False):
+        """A stacked factor for the kernels: ``(array, transposed)``.
+
+        vLLM writes a slot's weights into its stacked tensors in place when it
+        activates an adapter, which bumps the tensor's version counter.  Keyed
+        by that counter, a float32 copy is kept -- ``B`` transposed to
+        ``(slots, rank, d_out)`` (OpenBLAS multiplies a decode step's few rows
+        by it several times faster), ``A`` as it is when vLLM keeps it in 16
+        bits -- and made again only after vLLM writes the tensor.  A float32
+        ``A`` is used as it is.  A tensor without a version counter (made
+        under ``torch.inference_mode``) is used as it is, every time.
+        """
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise _Fallback
+        hit = self._views.get(id(t))
+        if hit is None or hit[0] is not t:
+            view = _array(t, kinds := [])
+            view = view.reshape(view.shape[0], view.shape[-2], view.shape[-1])
+            try:
+                t._version
+                cached = transpose or t.dtype != torch.float32
+            except RuntimeError:
+                cached = False
+            hit = self._views[id(t)] = [t, view, kinds, cached, None, -1]
+        _, view, kinds, cached, copy, seen = hit
+        if not cached:
+            for kind in kinds:
+                if kind not in half:
+                    half.append(kind)
+            return view, False
+        if seen != t._version:
+            src = t.detach().reshape(view.shape)
+            if transpose:
+                src = src.transpose(1, 2)
+            if copy is None:
+                copy = hit[4] = np.empty(tuple(src.shape), np.float32)
+            torch.from_numpy(copy).copy_(src)
+            hit[5] = t._version
+        return copy, transpose
+
+    @staticmethod
+    def _half(half: list) -> str | None:
+        if len(half) > 1:
+            raise _Fallback  # two 16-bit kinds in one call
+        return half[0] if half else None
+
+    @staticmethod
+    def _b(b: np.ndarray, transposed: bool) -> dict:
+        """``apply_slots``' keyword for a ``B`` factor."""
+        return {"bt": b} if transposed else {"b": b}
+
+    @staticmethod
+    def _d_out(b: np.ndarray, transposed: bool) -> int:
+        return b.shape[2] if transposed else b.shape[1]
+
+    @staticmethod
+    def _rank(b: np.ndarray, transposed: bool) -> int:
+        return b.shape[1] if transposed else b.shape[2]
+
+    # -- linear layers ----------------------------------------------------------------------
+    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *,
+                        buffer=None, **kwargs: Any):
+        assert len(lora_a_stacked) == len(lora_b_stacked) == len(output_slices)
+        if self._tokens is None or self._tokens.n_covered == 0:
+            return None
+        try:
+            half: list = []
+            xa = _array(x.reshape(-1, x.shape[-1]), half)
+            ya = _array(y.reshape(-1, y.shape[-1]), half)
+            calls = []
+            offset = 0
+            for a_t, b_t, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
+                a, _ = self._factor(a_t, half)
+                b, bt = self._factor(b_t, half, transpose=True)
+                calls.append((a, self._b(b, bt), ya[:, offset:offset + size]))
+                offset += size
+            kind = self._half(half)
+        except _Fallback:
+            return super().add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale,
+                                           output_slices, buffer=buffer, **kwargs)
+        add = kwargs.get("add_inputs", True)
+        for a, b, out in calls:
+            apply_slots(self._tokens, xa, out, a, scale=scale, add=add, half=kind, **b)
+        return None
+
+    def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs: Any):
+        if self._tokens is None or self._tokens.n_covered == 0:
+            return None
+        try:
+            half: list = []
+            xa = _array(x.reshape(-1, x.shape[-1]), half)
+            outs = [_array(y[i], half) for i in range(len(lora_a_stacked))]
+            weights = [self._factor(a_t, half)[0] for a_t in lora_a_stacked]
+            kind = self._half(half)
+        except _Fallback:
+            return super().add_shrink(y, x, lora_a_stacked, scale, **kwargs)
+        for a, out in zip(weights, outs):
+            out = out.reshape(-1, out.shape[-1])
+            # vLLM's CPU op writes (not adds) a token's shrunk rows
+            apply_slots(self._tokens, xa, out[:, :a.shape[1]], a=a, scale=scale, add=False,
+                        half=kind)
+        return None
+
+    def add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_inputs=True,
+                   **kwargs: Any):
+        if self._tokens is None or self._tokens.n_covered == 0:
+            return None
+        try:
+            half: list = []
+            ya = _array(y.reshape(-1, y.shape[-1]), half)
+            calls = []
+            offset = offset_start
+            for i, (b_t, size) in enumerate(zip(lora_b_stacked, output_slices)):
+                xi = _array(x[i], half)
+                b, bt = self._factor(b_t, half, transpose=True)
+                calls.append((xi.reshape(-1, xi.shape[-1]), b, bt, ya[:, offset:offset + size]))
+                offset += size
+            kind = self._half(half)
+        except _Fallback:
+            return super().add_expand(y, x, lora_b_stacked, output_slices,
+                                      offset_start=offset_start, add_inputs=add_inputs, **kwargs)
+        for xi, b, bt, out in calls:
+            apply_slots(self._tokens, xi[:, :self._rank(b, bt)], out, add=add_inputs, half=kind,
+                        **self._b(b, bt))
+        return None
+
+    # -- embeddings, logits, classifier heads -----------------------------------------------
+    def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs=True, **kwargs: Any):
+        if self._tokens is None or self._tokens.n_covered == 0:
+            return None
+        try:
+            half: list = []
+            ya = _array(y.reshape(-1, y.shape[-1]), half)
+            xa = _array(x.reshape(-1, x.shape[-1]), half)
+            b, bt = self._factor(lora_b_stacked, half, transpose=True)
+            kind = self._half(half)
+            if self._d_out(b, bt) > ya.shape[1]:
+                raise _Fallback
+        except _Fallback:
+            return super().add_lora_embedding(y, x, lora_b_stacked, add_inputs=add_inputs,
+                                              **kwargs)
+        apply_slots(self._tokens, xa, ya[:, :self._d_out(b, bt)], add=add_inputs, half=kind,
+                    **self._b(b, bt))
+        return None
+
+    def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
+                        **kwargs: Any):
+        if self._sampled is None or self._sampled.n_covered == 0:
+            return None
+        try:
+            half: list = []
+            ya = _array(y.reshape(-1, y.shape[-1]), half)
+            xa = _array(x.reshape(-1, x.shape[-1]), half)
+            a, _ = self._factor(lora_a_stacked, half)
+            b, bt = self._factor(lora_b_stacked, half, transpose=True)
+            kind = self._half(half)
+            if self._d_out(b, bt) > ya.shape[1]:
+                raise _Fallback
+        except _Fallback:
+            return super().add_lora_logits(y, x, lora_a_stacked, lora_b_stacked, scale,
+                                           buffer=buffer, **kwargs)
+        apply_slots(self._sampled, xa, ya[:, :self._d_out(b, bt)], a, scale=scale, half=kind,
+                    **self._b(b, bt))
+        return None
+
+    def apply_lora_full_linear(self, y, x, weight_stacked, bias_stacked, module_enabled):
+        if self._sampled is None or self._sampled.n_covered == 0:
+            return None
+        try:
+            half: list = []
+            xa = _array(x.reshape(-1, x.shape[-1]), half)
+            w, _ = self._factor(weight_stacked, half)
+            kind = self._half(half)
+        except _Fallback:
+            return super().apply_lora_full_linear(y, x, weight_stacked, bias_stacked,
+                                                  module_enabled)
+        adapter_y = torch.zeros((xa.shape[0], w.shape[1]), dtype=torch.float32)
+        apply_slots(self._sampled, xa, adapter_y.numpy(), b=w, half=kind)
+        y.copy_(self._select_full_linear_output(y, adapter_y, bias_stacked, module_enabled))
+        return None
+
+
+# ---------------------------------------------------------------------------
+# the plugin
+# ---------------------------------------------------------------------------
+
+def _interface_mismatch(base) -> str | None:
+    """Why the installed vLLM's punica wrapper is not the one this module was written for."""
+    for name, params in _INTERFACE.items():
+        method = getattr(base, name, None)
+        if method is None:
+            return f"{base.__name__} has no method {name}"
+        got = tuple(inspect.signature(method).parameters)[1:]
+        missing = [p for p in params if p not in got]
+        if missing:
+            return f"{base.__name__}.{name} has no parameter {', '.join(missing)}"
+    for prop in ("token_lora_indices", "sampler_indices"):
+        if not isinstance(getattr(base, prop, None), property):
+            return f"{base.__name__} has no property {prop}"
+    left = sorted(getattr(PunicaWrapperLorahook, "__abstractmethods__", ()))
+    if left:
+        return f"vLLM's wrapper declares methods lorahook does not implement: {', '.join(left)}"
+    return None
+
+
+def _why_not(platform) -> str | None:
+    """Why the plugin stays out of this process, or ``None`` when it takes over."""
+    if not platform.is_cpu():
+        return f"the platform is {type(platform).__name__}, not a CPU"
+    current = platform.get_punica_wrapper()
+    if current not in (_CPU_QUALNAME, QUALNAME):
+        return f"the platform's punica wrapper is {current}, not vLLM's CPU wrapper"
+    return _interface_mismatch(PunicaWrapperCPU)
+
+
+def register() -> None:
+    """vLLM's entry point: make the CPU platform name lorahook's wrapper, or say why not.
+
+    Never raises: whatever goes wrong, vLLM starts with its own kernels and
+    one log line says why.
+    """
+    try:
+        from vllm.platforms import current_platform
+
+        import lorahook
+
+        reason = _why_not(current_platform)
+        if reason is not None:
+            logger.info("lorahook %s is installed but not active: %s; vLLM runs its own LoRA "
+                        "kernels", lorahook.__version__, reason)
+            return
+        # this platform object only: its class (and any other instance) is left as it is
+        current_platform.get_punica_wrapper = lambda: QUALNAME
+        logger.info("lorahook %s: vLLM's CPU LoRA runs on lorahook's kernels (%s)",
+                    lorahook.__version__, QUALNAME)
+    except Exception as exc:  # noqa: BLE001 -- a plugin must never stop vLLM from starting
+        logger.warning("lorahook is installed but not active: %s: %s; vLLM runs its own LoRA "
+                       "kernels", type(exc).__name__, exc)

@@ -1,0 +1,172 @@
+"""Run vLLM once, as a test or the benchmark asks, in a process of its own.
+
+``python tests/vllm_run.py SPEC.json`` reads a spec (mode ``offline`` or
+``server``, the model, the adapters, the requests) and prints one line
+``RESULT {json}``: each request's greedy tokens and top log-probabilities,
+the punica wrapper vLLM used, and for the benchmark requests per second.
+vLLM starts its own worker processes, so it never runs inside pytest.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def _prompts(spec):
+    return [list(p) for p in spec["prompts"]] if "prompts" in spec else [
+        [1] + [4 + (7 * i + 3 * j) % 60 for j in range(4 + i % 5)]
+        for i in range(spec["requests"])]
+
+
+def _lora_args(spec):
+    if not spec.get("enable_lora", True):
+        return {}
+    return dict(enable_lora=True, max_loras=spec.get("max_loras", 4),
+                max_lora_rank=spec.get("max_lora_rank", 8),
+                max_cpu_loras=spec.get("max_cpu_loras"))
+
+
+def offline(spec):
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.platforms import current_platform
+
+    args = {k: v for k, v in _lora_args(spec).items() if v is not None}
+    llm = LLM(spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=256,
+              max_num_seqs=spec.get("max_num_seqs", 64), seed=0, **args,
+              **spec.get("engine", {}))
+    prompts = _prompts(spec)
+    names = spec["names"]
+    ids = {n: i + 1 for i, n in enumerate(sorted(set(n for n in names if n)))}
+
+    def request(i):
+        name = names[i % len(names)] if names else None
+        return LoRARequest(name, ids[name], os.path.join(spec["adapters"], name)) if name else None
+
+    reqs = [request(i) for i in range(len(prompts))]
+    sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True,
+                        logprobs=2)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    if spec.get("bench"):
+        llm.generate(inputs[:8], sp, lora_request=reqs[:8], use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, sp, lora_request=reqs, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
+                 for step in o.outputs[0].logprobs] for o in outs]
+    return dict(tokens=tokens, logprobs=logprobs, requests_per_s=len(prompts) / elapsed,
+                wrapper=current_platform.get_punica_wrapper(), adapters=[r.lora_name if r else None
+                                                                          for r in reqs])
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server(spec):
+    import httpx
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec["model"],
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", spec.get("dtype", "float32"),
+           "--max-model-len", "256", "--max-num-seqs", str(spec.get("max_num_seqs", 64)),
+           "--served-model-name", "base", "--seed", "0"]
+    lora = _lora_args(spec)
+    if lora:
+        cmd += ["--enable-lora", "--max-loras", str(lora["max_loras"]), "--max-lora-rank",
+                str(lora["max_lora_rank"])]
+        if lora["max_cpu_loras"]:
+            cmd += ["--max-cpu-loras", str(lora["max_cpu_loras"])]
+        if spec.get("preload", True):
+            cmd += ["--lora-modules"] + [f"{n}={os.path.join(spec['adapters'], n)}"
+                                          for n in sorted(set(spec["names"]))]
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
+    log = open(spec.get("log", os.devnull), "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with {proc.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the vLLM server did not start in 600 s")
+            time.sleep(1)
+        return _server_work(spec, url)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _complete(client, url, model, prompt, max_tokens):
+    r = client.post(url + "/v1/completions", json=dict(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+        logprobs=2, return_tokens_as_token_ids=True), timeout=600)
+    return r
+
+
+def _ids(body):
+    return [int(t.split(":")[1]) for t in body["choices"][0]["logprobs"]["tokens"]]
+
+
+def _server_work(spec, url):
+    import concurrent.futures as cf
+
+    import httpx
+
+    out = {}
+    prompts = _prompts(spec)
+    names = spec["names"] or ["base"]
+    with httpx.Client() as client:
+        for step in spec.get("steps", []):
+            if step[0] == "load":
+                r = client.post(url + "/v1/load_lora_adapter", json=dict(
+                    lora_name=step[1], lora_path=os.path.join(spec["adapters"], step[2])),
+                    timeout=120)
+            elif step[0] == "unload":
+                r = client.post(url + "/v1/unload_lora_adapter", json=dict(lora_name=step[1]),
+                                timeout=120)
+            else:  # ("complete", model, prompt index)
+                r = _complete(client, url, step[1], prompts[step[2]], spec["max_tokens"])
+                out.setdefault("completions", []).append(
+                    [step[1], r.status_code, _ids(r.json()) if r.status_code == 200 else None])
+                continue
+            out.setdefault("updates", []).append([step[0], step[1], r.status_code])
+        out["models"] = sorted(m["id"] for m in client.get(url + "/v1/models").json()["data"])
+    if spec.get("bench") or spec.get("burst"):
+        def one(i):
+            with httpx.Client() as c:
+                r = _complete(c, url, names[i % len(names)], prompts[i], spec["max_tokens"])
+                r.raise_for_status()
+                return _ids(r.json())
+        with cf.ThreadPoolExecutor(8) as pool:  # warm-up
+            list(pool.map(one, range(8)))
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            out["tokens"] = list(pool.map(one, range(len(prompts))))
+        out["requests_per_s"] = len(prompts) / (time.perf_counter() - t0)
+    return out
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    result = offline(spec) if spec["mode"] == "offline" else server(spec)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
