@@ -1,0 +1,228 @@
+"""lorahook.vllm's punica wrapper, method by method, against vLLM's own CPU wrapper and float64.
+
+No engine starts here: both wrappers get the same step (a LoRAMapping over
+slots, with rows of no adapter) and the same stacked tensors, laid out as
+vLLM's LoRA layers make them.  A missing vLLM skips this module, or fails it
+with LORAHOOK_REQUIRE_VLLM=1.
+"""
+import logging
+
+import numpy as np
+import pytest
+
+from required import need
+
+torch = need("torch", "LORAHOOK_REQUIRE_VLLM")
+need("vllm", "LORAHOOK_REQUIRE_VLLM")
+lv = need("lorahook.vllm", "LORAHOOK_REQUIRE_VLLM")
+from vllm.lora.layers import LoRAMapping  # noqa: E402
+from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU  # noqa: E402
+
+SLOTS = 4
+IDS = [7, None, 3, 9]  # slot -> adapter id (slot 1 empty)
+TOKENS = [7, 7, 0, 3, 9, 9, 9, 0, 3, 7, 0, 9]  # adapter id per token (0: base model)
+PROMPTS = [7, 0, 3, 9]  # adapter id per sampled row
+
+
+def _wrappers(prefill=True):
+    mapping = LoRAMapping(TOKENS, PROMPTS, is_prefill=prefill)
+    out = []
+    for cls in (lv.PunicaWrapperLorahook, PunicaWrapperCPU):
+        w = cls(64, 16, "cpu")
+        w.update_metadata(mapping, list(IDS), SLOTS + 1, 100)
+        out.append(w)
+    return out
+
+
+def _slot_of(ids):
+    return [IDS.index(i) if i else -1 for i in ids]
+
+
+def _stack(shape, dtype, gen):
+    return (torch.randn(*shape, generator=gen) * 0.2).to(dtype)
+
+
+def _close(got, ref, tol):
+    got, ref = got.double(), ref.double()
+    err = (got - ref).abs().max().item()
+    assert err <= tol * max(ref.abs().max().item(), 1e-12), err
+
+
+def _tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 1.6e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("prefill", [True, False])
+def test_merged_linear_equals_vllm_and_float64(dtype, prefill):
+    # a qkv-like projection: three slices of one output, each its own A and B
+    gen = torch.Generator().manual_seed(1)
+    n, d_in, slices, rank = len(TOKENS), 48, (32, 16, 16), 8
+    a = tuple(_stack((SLOTS, 1, rank, d_in), dtype, gen) for _ in slices)
+    b = tuple(_stack((SLOTS, 1, s, rank), dtype, gen) for s in slices)
+    x = _stack((n, d_in), dtype, gen)
+    y0 = _stack((n, sum(slices)), dtype, gen)
+    y0[[i for i, t in enumerate(TOKENS) if t == 0]] = float("nan")  # base rows: never touched
+    ours, theirs = _wrappers(prefill)
+    y_ours, y_theirs = y0.clone(), y0.clone()
+    assert ours.add_lora_linear(y_ours, x, a, b, 0.5, slices) is None
+    theirs.add_lora_linear(y_theirs, x, a, b, 0.5, slices)
+    slots = _slot_of(TOKENS)
+    ref = y0.double().clone()
+    off = 0
+    for i, size in enumerate(slices):
+        for r, s in enumerate(slots):
+            if s >= 0:
+                ref[r, off:off + size] += 0.5 * (b[i][s, 0].double() @ (a[i][s, 0].double()
+                                                                         @ x[r].double()))
+        off += size
+    covered = [r for r, s in enumerate(slots) if s >= 0]
+    base = [r for r, s in enumerate(slots) if s < 0]
+    _close(y_ours[covered], ref[covered], _tol(dtype))
+    _close(y_ours[covered], y_theirs[covered], 2 * _tol(dtype))
+    assert torch.isnan(y_ours[base]).all()  # rows without an adapter are not written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shrink_then_expand_equals_vllm(dtype):
+    gen = torch.Generator().manual_seed(2)
+    n, d_in, slices, rank = len(TOKENS), 40, (24, 24), 8
+    a = tuple(_stack((SLOTS, 1, rank, d_in), dtype, gen) for _ in slices)
+    b = tuple(_stack((SLOTS, 1, s, rank), dtype, gen) for s in slices)
+    x = _stack((n, d_in), dtype, gen)
+    y0 = _stack((n, sum(slices)), dtype, gen)
+    results = []
+    for w in _wrappers():
+        buf = torch.zeros(len(slices), n, rank, dtype=torch.float32)
+        w.add_shrink(buf, x, a, 2.0)
+        y = y0.clone()
+        w.add_expand(y, buf, b, slices, offset_start=0, add_inputs=True)
+        results.append((buf, y))
+    covered = [r for r, s in enumerate(_slot_of(TOKENS)) if s >= 0]
+    _close(results[0][0][:, covered], results[1][0][:, covered], _tol(dtype))
+    _close(results[0][1][covered], results[1][1][covered], 2 * _tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_logits_and_full_linear_equal_vllm(dtype):
+    gen = torch.Generator().manual_seed(3)
+    n, rank, dim, vocab, hidden = len(TOKENS), 8, 24, 50, 32
+    ours, theirs = _wrappers(prefill=False)
+    covered = [r for r, s in enumerate(_slot_of(TOKENS)) if s >= 0]
+    # embedding: x holds each token's gathered row of A
+    x = _stack((n, rank), dtype, gen)
+    b = _stack((SLOTS, 1, dim, rank), dtype, gen)
+    y0 = _stack((n, dim), dtype, gen)
+    y1, y2 = y0.clone(), y0.clone()
+    ours.add_lora_embedding(y1, x, b, add_inputs=True)
+    theirs.add_lora_embedding(y2, x, b, add_inputs=True)
+    _close(y1[covered], y2[covered], 2 * _tol(dtype))
+    assert torch.equal(y1[[r for r in range(n) if r not in covered]],
+                       y0[[r for r in range(n) if r not in covered]])
+    # logits: one row per request, grouped by the sampled rows' slots
+    m = len(PROMPTS)
+    h = _stack((m, hidden), dtype, gen)
+    a = _stack((SLOTS, 1, rank, hidden), dtype, gen)
+    bl = _stack((SLOTS, 1, vocab, rank), dtype, gen)
+    logits0 = _stack((m, vocab + 6), dtype, gen)  # padded wider than the vocabulary
+    l1, l2 = logits0.clone(), logits0.clone()
+    ours.add_lora_logits(l1, h, a, bl, 1.0)
+    theirs.add_lora_logits(l2, h, a, bl, 1.0)
+    sampled = [r for r, s in enumerate(_slot_of(PROMPTS)) if s >= 0]
+    _close(l1[sampled, :vocab], l2[sampled, :vocab], 2 * _tol(dtype))
+    assert torch.equal(l1[:, vocab:], logits0[:, vocab:])
+    # a request-routed classifier head
+    w = _stack((SLOTS, 6, hidden), dtype, gen)
+    bias = _stack((SLOTS, 6), dtype, gen)
+    enabled = torch.tensor([True, False, True, True])
+    c1, c2 = _stack((m, 6), dtype, gen), None
+    c2 = c1.clone()
+    ours.apply_lora_full_linear(c1, h, w, bias, enabled)
+    theirs.apply_lora_full_linear(c2, h, w, bias, enabled)
+    _close(c1, c2, 2 * _tol(dtype))
+
+
+def test_weights_written_after_a_step_are_seen():
+    # vLLM writes a slot's weights in place when it activates an adapter: the
+    # transposed copy lorahook keeps must follow
+    gen = torch.Generator().manual_seed(4)
+    a = (_stack((SLOTS, 1, 8, 16), torch.float32, gen),)
+    b = (torch.zeros(SLOTS, 1, 12, 8),)
+    x = _stack((len(TOKENS), 16), torch.float32, gen)
+    ours, theirs = _wrappers()
+    for step in range(2):
+        y1, y2 = torch.zeros(len(TOKENS), 12), torch.zeros(len(TOKENS), 12)
+        ours.add_lora_linear(y1, x, a, b, 1.0, (12,))
+        theirs.add_lora_linear(y2, x, a, b, 1.0, (12,))
+        covered = [r for r, s in enumerate(_slot_of(TOKENS)) if s >= 0]
+        _close(y1[covered], y2[covered], 1e-5) if step else None
+        if step == 0:
+            assert not y1.any()
+            b[0][2, 0].copy_(torch.randn(12, 8, generator=gen))  # slot 2 activated
+    assert y1.abs().sum() > 0
+
+
+def test_no_adapter_step_writes_nothing():
+    mapping = LoRAMapping([0] * 5, [0, 0], is_prefill=True)
+    w = lv.PunicaWrapperLorahook(64, 16, "cpu")
+    w.update_metadata(mapping, list(IDS), SLOTS + 1, 100)
+    y = torch.full((5, 8), float("nan"))
+    w.add_lora_linear(y, torch.ones(5, 4), (torch.ones(SLOTS, 1, 2, 4),),
+                      (torch.ones(SLOTS, 1, 8, 2),), 1.0, (8,))
+    assert torch.isnan(y).all()
+
+
+# --------------------------------------------------------------------------- the plugin
+
+class _Platform:
+    def __init__(self, cpu=True, wrapper=lv._CPU_QUALNAME):
+        self._cpu, self._wrapper = cpu, wrapper
+
+    def is_cpu(self):
+        return self._cpu
+
+    def get_punica_wrapper(self):
+        return self._wrapper
+
+
+def test_declines_off_cpu_and_on_other_wrappers():
+    assert "not a CPU" in lv._why_not(_Platform(cpu=False))
+    assert "not vLLM's CPU wrapper" in lv._why_not(_Platform(wrapper="other.Wrapper"))
+    assert lv._why_not(_Platform()) is None
+
+
+def test_declines_an_unknown_wrapper_interface():
+    class Changed:
+        def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size):
+            pass
+
+        def add_shrink(self, y, x, lora_a_stacked):  # "scale" gone
+            pass
+    reason = lv._interface_mismatch(Changed)
+    assert reason == "Changed.add_shrink has no parameter scale"
+
+
+def test_register_never_raises(monkeypatch, caplog):
+    def boom(platform):
+        raise RuntimeError("a surprise")
+    monkeypatch.setattr(lv, "_why_not", boom)
+    with caplog.at_level(logging.INFO, logger="vllm.lorahook"):
+        assert lv.register() is None
+    assert "not active: RuntimeError: a surprise" in caplog.text
+
+
+def test_register_names_the_wrapper_on_this_cpu(monkeypatch, caplog):
+    from vllm.platforms import current_platform
+    monkeypatch.setattr(current_platform, "get_punica_wrapper",
+                        current_platform.get_punica_wrapper, raising=False)
+    with caplog.at_level(logging.INFO, logger="vllm.lorahook"):
+        lv.register()
+    assert current_platform.get_punica_wrapper() == lv.QUALNAME
+    assert f"runs on lorahook's kernels ({lv.QUALNAME})" in caplog.text
+    assert issubclass(lv.PunicaWrapperLorahook, PunicaWrapperCPU)
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+    found = [e for e in entry_points(group="vllm.general_plugins") if e.name == "lorahook"]
+    assert [e.value for e in found] == ["lorahook.vllm:register"]
