@@ -6,7 +6,7 @@ punica wrapper runs: ``bgmv_shrink`` + ``bgmv_expand_slice``) against
 lorahook's ``apply_slots`` with the step's ``SlotRows``, one thread each,
 the same data, timed in alternation; medians and their ratio.
 
-``python benchmarks/vllm_bench.py serve [--offline-only]`` starts vLLM on a
+``python benchmarks/vllm_bench.py serve [--mode offline|server]`` starts vLLM on a
 random 0.5B-shaped Llama (hidden 896, 24 layers, MLP 4864, 14 heads, 2 KV
 heads, float32) with 8 PEFT adapters of rank 8 on ``q_proj v_proj o_proj
 down_proj``, one compute thread, and sends 64 requests x 32 greedy tokens:
@@ -121,7 +121,7 @@ def make_files(workdir, adapters=8):
     return save_model_and_adapters(workdir, [f"a{i}" for i in range(adapters)], size="0.5b")
 
 
-def serve(workdir, offline_only=False, requests=64, max_tokens=32):
+def serve(workdir, modes=("offline", "server"), requests=64, max_tokens=32):
     model_dir, adapter_dir, names = make_files(workdir)
     runner = os.path.join(HERE, "..", "tests", "vllm_run.py")
     results = {}
@@ -129,7 +129,6 @@ def serve(workdir, offline_only=False, requests=64, max_tokens=32):
              ("lorahook, no adapters", {}, True, False),
              ("vllm own, no adapters", {"VLLM_PLUGINS": "none"}, True, False),
              ("vllm without --enable-lora", {"VLLM_PLUGINS": "none"}, False, False)]
-    modes = ["offline"] if offline_only else ["offline", "server"]
     for mode in modes:
         for label, env, enable, use in cases:
             spec = dict(mode=mode, model=model_dir, adapters=adapter_dir,
@@ -168,14 +167,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["ops", "serve"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--offline-only", action="store_true")
+    p.add_argument("--mode", choices=["offline", "server", "both"], default="both")
     p.add_argument("--workdir", default=None)
     args = p.parse_args()
     if args.what == "ops":
         ops(dtype=args.dtype)
     else:
         workdir = args.workdir or tempfile.mkdtemp(prefix="lorahook-vllm-bench-")
-        serve(workdir, offline_only=args.offline_only)
+        serve(workdir, ("offline", "server") if args.mode == "both" else (args.mode,))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ cdef extern from "_half.h" nogil:
     int LORAHOOK_HALF_BF16
     int LORAHOOK_HALF_PORTABLE
     int lorahook_half_supported() noexcept
+    # inline conversions on a given path (the path itself is _halfconv's: active_path)
+    void widen_on "lorahook_half_widen_on" (int path, const uint16_t *src, float *dst, size_t n,
+                                            int kind) noexcept
+    void narrow_on "lorahook_half_narrow_on" (int path, const float *src, uint16_t *dst,
+                                              size_t n, int kind) noexcept
 
 cdef int active_path() noexcept nogil
 cdef void widen_n(const uint16_t *src, float *dst, size_t n, int kind) noexcept nogil

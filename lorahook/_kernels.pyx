@@ -33,18 +33,12 @@ from libc.string cimport memcpy, memset
 from lorahook cimport _blas
 from lorahook._checks cimport ROWS_F16, ROWS_F32, as_width, check_buffers
 from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, active_path
+from lorahook._halfconv cimport narrow_on, widen_on
 from scipy.linalg.cython_blas cimport sgemm
 
 import numpy as np
 
 cnp.import_array()
-
-cdef extern from "_half.h" nogil:
-    # inline conversions on a given path (the path itself is _halfconv's)
-    void widen_on "lorahook_half_widen_on" (int path, const uint16_t *src, float *dst, size_t n,
-                                            int kind) noexcept
-    void narrow_on "lorahook_half_narrow_on" (int path, const float *src, uint16_t *dst,
-                                              size_t n, int kind) noexcept
 
 cdef extern from "_kernels.h" nogil:
     float *lorahook_scratch_slot(size_t n, int slot, int *owned) noexcept

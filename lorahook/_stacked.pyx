@@ -35,16 +35,11 @@ from libc.string cimport memcpy
 from lorahook cimport _blas
 from lorahook._checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, check_type
 from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, active_path
+from lorahook._halfconv cimport narrow_on, widen_on
 
 import numpy as np
 
 cnp.import_array()
-
-cdef extern from "_half.h" nogil:
-    void widen_on "lorahook_half_widen_on" (int path, const uint16_t *src, float *dst, size_t n,
-                                            int kind) noexcept
-    void narrow_on "lorahook_half_narrow_on" (int path, const float *src, uint16_t *dst,
-                                              size_t n, int kind) noexcept
 
 cdef extern from "_scratch.h" nogil:
     float *lorahook_scratch_slot(size_t n, int slot, int *owned) noexcept

@@ -82,7 +82,7 @@ def server(spec):
                 str(lora["max_lora_rank"])]
         if lora["max_cpu_loras"]:
             cmd += ["--max-cpu-loras", str(lora["max_cpu_loras"])]
-        if spec.get("preload", True):
+        if spec.get("preload", True) and spec["names"]:
             cmd += ["--lora-modules"] + [f"{n}={os.path.join(spec['adapters'], n)}"
                                           for n in sorted(set(spec["names"]))]
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
