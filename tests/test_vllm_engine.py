@@ -26,9 +26,11 @@ TOKENS = 10
 # q/k/v into one qkv_proj and gate/up into gate_up_proj: slices of one linear)
 NAMES = ["alpha", "beta", "gamma"]
 MERGED = "merged"
+EMBED = "embed"  # LoRA on embed_tokens and lm_head too, which vLLM accepts
 PROMPTS = [[1, 10, 11, 12, 13], [1, 20, 21], [1, 5, 6, 7, 8, 9], [1, 30, 31, 32],
-           [1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 12, 22, 32], [1, 9, 8, 7, 6]]
-ROWS = ["alpha", "beta", None, "gamma", MERGED, None, "beta", MERGED]
+           [1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 12, 22, 32], [1, 9, 8, 7, 6],
+           [1, 33, 44, 55], [1, 6, 16, 26, 36]]
+ROWS = ["alpha", "beta", None, "gamma", MERGED, None, "beta", MERGED, EMBED, EMBED]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,8 @@ def files():
         model_dir, adapters, _ = save_model_and_adapters(tmp, NAMES)
         save_model_and_adapters(tmp, [MERGED], target_modules=[
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        save_model_and_adapters(tmp, [EMBED], target_modules=[
+            "q_proj", "v_proj", "embed_tokens", "lm_head"])
         yield model_dir, adapters
 
 
@@ -61,9 +65,9 @@ def run(spec, **env):
 
 def offline(files, dtype="float32", **env):
     model_dir, adapters = files
-    # max_loras 2 < 4 adapters: slots are reused (LRU) within one generate call
+    # max_loras 2 < 5 adapters: slots are reused (LRU) within one generate call
     return run(dict(mode="offline", model=model_dir, adapters=adapters, names=ROWS,
-                    prompts=PROMPTS, max_tokens=TOKENS, max_loras=2, max_cpu_loras=4,
+                    prompts=PROMPTS, max_tokens=TOKENS, max_loras=2, max_cpu_loras=5,
                     dtype=dtype), **env)
 
 
