@@ -144,4 +144,5 @@ def test_openai_server_loads_and_unloads_at_run_time(files, references):
         assert_same_or_tie(got, ref, top2, 1e-3, what)
     assert out["models"] == ["alpha", "base"]
     with open(os.path.join(os.path.dirname(model_dir), "server.log")) as f:
-        assert "Using PunicaWrapperLorahook" in f.read()
+        text = f.read()
+    assert "Using PunicaWrapperLorahook" in text, text[-6000:]

@@ -85,9 +85,14 @@ def server(spec):
         if spec.get("preload", True) and spec["names"]:
             cmd += ["--lora-modules"] + [f"{n}={os.path.join(spec['adapters'], n)}"
                                           for n in sorted(set(spec["names"]))]
-    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
+    # unbuffered: every process's log line is in the file even when the server is stopped
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", PYTHONUNBUFFERED="1")
     log = open(spec.get("log", os.devnull), "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # started beside the model, not in the caller's directory: `python -m` puts the working
+    # directory first on sys.path, and a lorahook source tree there (no compiled core)
+    # would shadow the installed package, and the plugin would fail to load
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=os.path.dirname(os.path.abspath(spec["model"])))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
