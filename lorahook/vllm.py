@@ -25,6 +25,7 @@ never does.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any
@@ -77,6 +78,47 @@ def _array(t: torch.Tensor, half: list) -> np.ndarray:
     if kind not in half:
         half.append(kind)
     return t.detach().view(torch.int16).numpy().view(np.uint16)
+
+
+def _rows(t: torch.Tensor, half: list) -> np.ndarray:
+    """``t`` as a 2-D ``(rows, width)`` numpy view; never a copy (an output must be written in place)."""
+    try:
+        flat = t.view(-1, t.shape[-1])
+    except RuntimeError:  # strides a flat view cannot express
+        raise _Fallback from None
+    if flat.shape[1] > 1 and flat.stride(1) != 1:  # the kernels take rows of adjacent values
+        raise _Fallback
+    return _array(flat, half)
+
+
+def _kind(half: list) -> str | None:
+    """The one 16-bit kind of a call's arrays (``apply_slots``' ``half``)."""
+    if len(half) > 1:
+        raise _Fallback  # two 16-bit kinds in one call
+    return half[0] if half else None
+
+
+def _served(groups: str):
+    """Run a wrapper method on lorahook's kernels over the step's ``groups``, or vLLM's own op.
+
+    A step without an adapter row returns at once; a call the method raises
+    ``_Fallback`` for (before it writes anything) goes to vLLM's CPU wrapper.
+    """
+    def wrap(method):
+        fallback = getattr(PunicaWrapperCPU, method.__name__)
+
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            rows = getattr(self, groups)
+            if rows is None or rows.n_covered == 0:
+                return None
+            try:
+                method(self, rows, *args, **kwargs)
+            except _Fallback:
+                return fallback(self, *args, **kwargs)
+            return None
+        return run
+    return wrap
 
 
 class PunicaWrapperLorahook(PunicaWrapperCPU):
@@ -147,146 +189,86 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
             hit[5] = t._version
         return copy, transpose
 
-    @staticmethod
-    def _half(half: list) -> str | None:
-        if len(half) > 1:
-            raise _Fallback  # two 16-bit kinds in one call
-        return half[0] if half else None
-
-    @staticmethod
-    def _b(b: np.ndarray, transposed: bool) -> dict:
-        """``apply_slots``' keyword for a ``B`` factor."""
-        return {"bt": b} if transposed else {"b": b}
-
-    @staticmethod
-    def _d_out(b: np.ndarray, transposed: bool) -> int:
-        return b.shape[2] if transposed else b.shape[1]
-
-    @staticmethod
-    def _rank(b: np.ndarray, transposed: bool) -> int:
-        return b.shape[1] if transposed else b.shape[2]
+    def _b(self, t: torch.Tensor, half: list) -> tuple[dict, int, int]:
+        """A stacked ``B`` as ``apply_slots``' keyword (``b`` or ``bt``), with its ``d_out`` and rank."""
+        b, transposed = self._factor(t, half, transpose=True)
+        if transposed:
+            return {"bt": b}, b.shape[2], b.shape[1]
+        return {"b": b}, b.shape[1], b.shape[2]
 
     # -- linear layers ----------------------------------------------------------------------
-    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *,
-                        buffer=None, **kwargs: Any):
-        assert len(lora_a_stacked) == len(lora_b_stacked) == len(output_slices)
-        if self._tokens is None or self._tokens.n_covered == 0:
-            return None
-        try:
-            half: list = []
-            xa = _array(x.reshape(-1, x.shape[-1]), half)
-            ya = _array(y.reshape(-1, y.shape[-1]), half)
-            calls = []
-            offset = 0
-            for a_t, b_t, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
-                a, _ = self._factor(a_t, half)
-                b, bt = self._factor(b_t, half, transpose=True)
-                calls.append((a, self._b(b, bt), ya[:, offset:offset + size]))
-                offset += size
-            kind = self._half(half)
-        except _Fallback:
-            return super().add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale,
-                                           output_slices, buffer=buffer, **kwargs)
-        add = kwargs.get("add_inputs", True)
+    @_served("_tokens")
+    def add_lora_linear(self, rows, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
+                        *, buffer=None, **kwargs: Any):
+        half: list = []
+        xa, ya = _rows(x, half), _rows(y, half)
+        calls = []
+        offset = 0
+        for a_t, b_t, size in zip(lora_a_stacked, lora_b_stacked, output_slices, strict=True):
+            b, _, _ = self._b(b_t, half)
+            calls.append((self._factor(a_t, half)[0], b, ya[:, offset:offset + size]))
+            offset += size
+        kind = _kind(half)
         for a, b, out in calls:
-            apply_slots(self._tokens, xa, out, a, scale=scale, add=add, half=kind, **b)
-        return None
+            apply_slots(rows, xa, out, a, scale=scale, add=kwargs.get("add_inputs", True),
+                        half=kind, **b)
 
-    def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs: Any):
-        if self._tokens is None or self._tokens.n_covered == 0:
-            return None
-        try:
-            half: list = []
-            xa = _array(x.reshape(-1, x.shape[-1]), half)
-            outs = [_array(y[i], half) for i in range(len(lora_a_stacked))]
-            weights = [self._factor(a_t, half)[0] for a_t in lora_a_stacked]
-            kind = self._half(half)
-        except _Fallback:
-            return super().add_shrink(y, x, lora_a_stacked, scale, **kwargs)
+    @_served("_tokens")
+    def add_shrink(self, rows, y, x, lora_a_stacked, scale, **kwargs: Any):
+        half: list = []
+        xa = _rows(x, half)
+        outs = [_rows(y[i], half) for i in range(len(lora_a_stacked))]
+        weights = [self._factor(a_t, half)[0] for a_t in lora_a_stacked]
+        kind = _kind(half)
         for a, out in zip(weights, outs):
-            out = out.reshape(-1, out.shape[-1])
             # vLLM's CPU op writes (not adds) a token's shrunk rows
-            apply_slots(self._tokens, xa, out[:, :a.shape[1]], a=a, scale=scale, add=False,
-                        half=kind)
-        return None
+            apply_slots(rows, xa, out[:, :a.shape[1]], a=a, scale=scale, add=False, half=kind)
 
-    def add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0, add_inputs=True,
-                   **kwargs: Any):
-        if self._tokens is None or self._tokens.n_covered == 0:
-            return None
-        try:
-            half: list = []
-            ya = _array(y.reshape(-1, y.shape[-1]), half)
-            calls = []
-            offset = offset_start
-            for i, (b_t, size) in enumerate(zip(lora_b_stacked, output_slices)):
-                xi = _array(x[i], half)
-                b, bt = self._factor(b_t, half, transpose=True)
-                calls.append((xi.reshape(-1, xi.shape[-1]), b, bt, ya[:, offset:offset + size]))
-                offset += size
-            kind = self._half(half)
-        except _Fallback:
-            return super().add_expand(y, x, lora_b_stacked, output_slices,
-                                      offset_start=offset_start, add_inputs=add_inputs, **kwargs)
-        for xi, b, bt, out in calls:
-            apply_slots(self._tokens, xi[:, :self._rank(b, bt)], out, add=add_inputs, half=kind,
-                        **self._b(b, bt))
-        return None
+    @_served("_tokens")
+    def add_expand(self, rows, y, x, lora_b_stacked, output_slices, offset_start=0,
+                   add_inputs=True, **kwargs: Any):
+        half: list = []
+        ya = _rows(y, half)
+        calls = []
+        offset = offset_start
+        for i, (b_t, size) in enumerate(zip(lora_b_stacked, output_slices, strict=True)):
+            b, _, rank = self._b(b_t, half)
+            calls.append((_rows(x[i], half)[:, :rank], b, ya[:, offset:offset + size]))
+            offset += size
+        kind = _kind(half)
+        for xi, b, out in calls:
+            apply_slots(rows, xi, out, add=add_inputs, half=kind, **b)
 
     # -- embeddings, logits, classifier heads -----------------------------------------------
-    def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs=True, **kwargs: Any):
-        if self._tokens is None or self._tokens.n_covered == 0:
-            return None
-        try:
-            half: list = []
-            ya = _array(y.reshape(-1, y.shape[-1]), half)
-            xa = _array(x.reshape(-1, x.shape[-1]), half)
-            b, bt = self._factor(lora_b_stacked, half, transpose=True)
-            kind = self._half(half)
-            if self._d_out(b, bt) > ya.shape[1]:
-                raise _Fallback
-        except _Fallback:
-            return super().add_lora_embedding(y, x, lora_b_stacked, add_inputs=add_inputs,
-                                              **kwargs)
-        apply_slots(self._tokens, xa, ya[:, :self._d_out(b, bt)], add=add_inputs, half=kind,
-                    **self._b(b, bt))
-        return None
+    @_served("_tokens")
+    def add_lora_embedding(self, rows, y, x, lora_b_stacked, add_inputs=True, **kwargs: Any):
+        half: list = []
+        ya, xa = _rows(y, half), _rows(x, half)
+        b, d_out, _ = self._b(lora_b_stacked, half)
+        if d_out > ya.shape[1]:
+            raise _Fallback
+        apply_slots(rows, xa, ya[:, :d_out], add=add_inputs, half=_kind(half), **b)
 
-    def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
+    @_served("_sampled")
+    def add_lora_logits(self, rows, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
                         **kwargs: Any):
-        if self._sampled is None or self._sampled.n_covered == 0:
-            return None
-        try:
-            half: list = []
-            ya = _array(y.reshape(-1, y.shape[-1]), half)
-            xa = _array(x.reshape(-1, x.shape[-1]), half)
-            a, _ = self._factor(lora_a_stacked, half)
-            b, bt = self._factor(lora_b_stacked, half, transpose=True)
-            kind = self._half(half)
-            if self._d_out(b, bt) > ya.shape[1]:
-                raise _Fallback
-        except _Fallback:
-            return super().add_lora_logits(y, x, lora_a_stacked, lora_b_stacked, scale,
-                                           buffer=buffer, **kwargs)
-        apply_slots(self._sampled, xa, ya[:, :self._d_out(b, bt)], a, scale=scale, half=kind,
-                    **self._b(b, bt))
-        return None
+        half: list = []
+        ya, xa = _rows(y, half), _rows(x, half)
+        a, _ = self._factor(lora_a_stacked, half)
+        b, d_out, _ = self._b(lora_b_stacked, half)
+        if d_out > ya.shape[1]:  # logits padded narrower than the adapter's vocabulary
+            raise _Fallback
+        apply_slots(rows, xa, ya[:, :d_out], a, scale=scale, half=_kind(half), **b)
 
-    def apply_lora_full_linear(self, y, x, weight_stacked, bias_stacked, module_enabled):
-        if self._sampled is None or self._sampled.n_covered == 0:
-            return None
-        try:
-            half: list = []
-            xa = _array(x.reshape(-1, x.shape[-1]), half)
-            w, _ = self._factor(weight_stacked, half)
-            kind = self._half(half)
-        except _Fallback:
-            return super().apply_lora_full_linear(y, x, weight_stacked, bias_stacked,
-                                                  module_enabled)
+    @_served("_sampled")
+    def apply_lora_full_linear(self, rows, y, x, weight_stacked, bias_stacked, module_enabled):
+        half: list = []
+        xa = _rows(x, half)
+        w, _ = self._factor(weight_stacked, half)
+        kind = _kind(half)
         adapter_y = torch.zeros((xa.shape[0], w.shape[1]), dtype=torch.float32)
-        apply_slots(self._sampled, xa, adapter_y.numpy(), b=w, half=kind)
+        apply_slots(rows, xa, adapter_y.numpy(), b=w, half=kind)
         y.copy_(self._select_full_linear_output(y, adapter_y, bias_stacked, module_enabled))
-        return None
 
 
 # ---------------------------------------------------------------------------

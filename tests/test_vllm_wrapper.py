@@ -155,11 +155,32 @@ def test_weights_written_after_a_step_are_seen():
         ours.add_lora_linear(y1, x, a, b, 1.0, (12,))
         theirs.add_lora_linear(y2, x, a, b, 1.0, (12,))
         covered = [r for r, s in enumerate(_slot_of(TOKENS)) if s >= 0]
-        _close(y1[covered], y2[covered], 1e-5) if step else None
-        if step == 0:
+        if step:
+            _close(y1[covered], y2[covered], 1e-5)
+        else:
             assert not y1.any()
             b[0][2, 0].copy_(torch.randn(12, 8, generator=gen))  # slot 2 activated
     assert y1.abs().sum() > 0
+
+
+def test_an_output_the_kernels_cannot_view_goes_to_vllms_op():
+    # rows that are not adjacent values (a transposed tensor): vLLM's own op serves the
+    # call, in place all the same, never into a copy
+    gen = torch.Generator().manual_seed(5)
+    n, d_in, d_out, rank = len(TOKENS), 16, 12, 4
+    a = (_stack((SLOTS, 1, rank, d_in), torch.float32, gen),)
+    b = (_stack((SLOTS, 1, d_out, rank), torch.float32, gen),)
+    x = _stack((n, d_in), torch.float32, gen)
+    y = _stack((d_out, n), torch.float32, gen).t()  # (n, d_out), column stride n
+    y0 = y.clone()
+    ours, _ = _wrappers()
+    ours.add_lora_linear(y, x, a, b, 1.0, (d_out,))
+    slots = _slot_of(TOKENS)
+    covered = [r for r, s in enumerate(slots) if s >= 0]
+    ref = y0.double().clone()
+    for r in covered:
+        ref[r] += b[0][slots[r], 0].double() @ (a[0][slots[r], 0].double() @ x[r].double())
+    _close(y[covered], ref[covered], 1e-5)
 
 
 def test_no_adapter_step_writes_nothing():
