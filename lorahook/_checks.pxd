@@ -15,7 +15,7 @@ cdef int check_layout(cnp.ndarray a, str name, bint writable) except -1
 cdef object as_int(object v, str name)
 cdef Py_ssize_t as_width(object w, str name) except -1
 cdef Py_ssize_t row_count(cnp.ndarray a, Py_ssize_t width, str name, str wname) except -1
-cdef int refuse_overlap(cnp.ndarray x, cnp.ndarray y) except -1
+cdef int refuse_overlap(cnp.ndarray x, cnp.ndarray y, str xname=*, str yname=*) except -1
 cdef Py_ssize_t check_call(object input, object output, object input_row_width,
                            object output_row_width, Py_ssize_t *widths=*, int *kind=*,
                            int bits=*, object float32_only=*) except -1

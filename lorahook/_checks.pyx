@@ -136,16 +136,35 @@ cdef Py_ssize_t row_count(cnp.ndarray a, Py_ssize_t width, str name, str wname) 
     return size // width
 
 
-cdef int refuse_overlap(cnp.ndarray x, cnp.ndarray y) except -1:
-    """``ValueError`` when two C-contiguous buffers share any byte."""
-    cdef char *xs = <char *>cnp.PyArray_DATA(x)
-    cdef char *ys = <char *>cnp.PyArray_DATA(y)
-    cdef Py_ssize_t xb = cnp.PyArray_NBYTES(x)
-    cdef Py_ssize_t yb = cnp.PyArray_NBYTES(y)
-    if xb > 0 and yb > 0 and xs < ys + yb and ys < xs + xb:
+cdef bint _extent(cnp.ndarray a, char **lo, char **hi) noexcept:
+    """The first and one past the last byte ``a`` spans, from its strides; False when empty."""
+    cdef int d
+    cdef Py_ssize_t step
+    lo[0] = hi[0] = <char *>cnp.PyArray_DATA(a)
+    if cnp.PyArray_SIZE(a) == 0:
+        return False
+    for d in range(cnp.PyArray_NDIM(a)):
+        step = (cnp.PyArray_DIM(a, d) - 1) * cnp.PyArray_STRIDE(a, d)
+        if step < 0:
+            lo[0] += step
+        else:
+            hi[0] += step
+    hi[0] += cnp.PyArray_ITEMSIZE(a)
+    return True
+
+
+cdef int refuse_overlap(cnp.ndarray x, cnp.ndarray y, str xname="input",
+                        str yname="output") except -1:
+    """``ValueError`` when the memory spans of two buffers (any strides) meet."""
+    cdef char *xs
+    cdef char *xe
+    cdef char *ys
+    cdef char *ye
+    if _extent(x, &xs, &xe) and _extent(y, &ys, &ye) and xs < ye and ys < xe:
         raise ValueError(
-            f"input and output must not overlap in memory, got overlapping buffers "
-            f"(input {xb} bytes at {<size_t>xs:#x}, output {yb} bytes at {<size_t>ys:#x})")
+            f"{xname} and {yname} must not overlap in memory, got overlapping buffers "
+            f"({xname} {xe - xs} bytes at {<size_t>xs:#x}, {yname} {ye - ys} bytes at "
+            f"{<size_t>ys:#x})")
     return 0
 
 

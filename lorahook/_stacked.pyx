@@ -33,7 +33,7 @@ from libc.stdlib cimport free
 from libc.string cimport memcpy
 
 from lorahook cimport _blas
-from lorahook._checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, check_type
+from lorahook._checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, check_type, refuse_overlap
 from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, active_path
 from lorahook._halfconv cimport narrow_on, widen_on
 
@@ -180,19 +180,6 @@ cdef int _weights_kind(object arr, str name, int bits) except -1:
         raise ValueError(f"{name} must have dimensions of at most {INT_MAX}, got shape "
                          f"{(<object>a).shape}")
     return kind
-
-
-cdef int _refuse_overlap(cnp.ndarray x, cnp.ndarray y) except -1:
-    """``ValueError`` when the memory spans of ``x`` and ``y`` meet."""
-    cdef char *xs = <char *>cnp.PyArray_DATA(x)
-    cdef char *ys = <char *>cnp.PyArray_DATA(y)
-    cdef Py_ssize_t xb = (cnp.PyArray_DIM(x, 0) - 1) * cnp.PyArray_STRIDE(x, 0) + \
-        cnp.PyArray_DIM(x, 1) * cnp.PyArray_ITEMSIZE(x)
-    cdef Py_ssize_t yb = (cnp.PyArray_DIM(y, 0) - 1) * cnp.PyArray_STRIDE(y, 0) + \
-        cnp.PyArray_DIM(y, 1) * cnp.PyArray_ITEMSIZE(y)
-    if cnp.PyArray_DIM(x, 0) > 0 and cnp.PyArray_DIM(y, 0) > 0 and xs < ys + yb and ys < xs + xb:
-        raise ValueError("x and y must not overlap in memory")
-    return 0
 
 
 # ---------------------------------------------------------------------------
@@ -424,14 +411,12 @@ def apply_slots(SlotRows groups not None, x, y, a=None, b=None, scale=1.0, *, bi
                              f"slot {groups.max_slot}")
     if rank < 1:
         raise ValueError(f"the factors' rank must be >= 1, got {rank}")
-    _refuse_overlap(<cnp.ndarray>x, <cnp.ndarray>y)
+    refuse_overlap(<cnp.ndarray>x, <cnp.ndarray>y, "x", "y")
     c.scale = <float>float(scale)
     c.add = add
     c.order = groups._order
     c.starts = groups._starts
-    c.n_slots = groups.n_slots if groups.max_slot >= 0 else 0
-    if c.n_slots > groups.max_slot + 1:
-        c.n_slots = groups.max_slot + 1
+    c.n_slots = groups.max_slot + 1  # slots past the highest with rows have none
     c.X = <const char *>cnp.PyArray_DATA(<cnp.ndarray>x)
     c.Y = <char *>cnp.PyArray_DATA(<cnp.ndarray>y)
     c.A = <const char *>cnp.PyArray_DATA(<cnp.ndarray>a) if a is not None else NULL
