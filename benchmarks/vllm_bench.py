@@ -18,10 +18,8 @@ Run it with the OpenBLAS overrides of this machine unset, in that command
 only: ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/vllm_bench.py ops``.
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -123,7 +121,7 @@ def make_files(workdir, adapters=8):
 
 def serve(workdir, modes=("offline", "server"), requests=64, max_tokens=32):
     model_dir, adapter_dir, names = make_files(workdir)
-    runner = os.path.join(HERE, "..", "tests", "vllm_run.py")
+    from vllm_run import launch  # tests/, on the path since make_files
     results = {}
     cases = [("lorahook", {}, True, True), ("vllm own", {"VLLM_PLUGINS": "none"}, True, True),
              ("lorahook, no adapters", {}, True, False),
@@ -134,7 +132,8 @@ def serve(workdir, modes=("offline", "server"), requests=64, max_tokens=32):
             spec = dict(mode=mode, model=model_dir, adapters=adapter_dir,
                         names=names if use else [], enable_lora=enable, requests=requests,
                         max_tokens=max_tokens, max_loras=8, max_lora_rank=8, bench=True)
-            out = run_spec(runner, spec, env)
+            out, _ = launch(spec, {"VLLM_CPU_KVCACHE_SPACE":
+                                   os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), **env})
             results[(mode, label)] = out["requests_per_s"]
             print(f"{mode:8s} {label:28s} {out['requests_per_s']:.2f} requests/s", flush=True)
     for mode in modes:
@@ -143,24 +142,6 @@ def serve(workdir, modes=("offline", "server"), requests=64, max_tokens=32):
         print(f"{mode}: lorahook / vLLM's own LoRA = {lh / own:.2f}; "
               f"lorahook / same engine without adapters = {lh / base:.2f}")
     return results
-
-
-def run_spec(runner, spec, env=None, timeout=1800):
-    """Run tests/vllm_run.py on ``spec`` in a fresh process; its JSON answer."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    full = dict(os.environ, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"),
-                **(env or {}))
-    proc = subprocess.run([sys.executable, runner, f.name], env=full, capture_output=True,
-                          text=True, timeout=timeout)
-    os.unlink(f.name)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"vllm_run.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                       f"{proc.stderr[-6000:]}")
 
 
 def main():

@@ -4,10 +4,7 @@ Each engine runs in a process of its own (tests/vllm_run.py); engine starts
 are few and shared by module-scoped fixtures.  A missing vLLM skips this
 module, or fails it with LORAHOOK_REQUIRE_VLLM=1.
 """
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -19,8 +16,8 @@ need("vllm", "LORAHOOK_REQUIRE_VLLM")
 need("peft", "LORAHOOK_REQUIRE_VLLM")
 need("httpx", "LORAHOOK_REQUIRE_VLLM")
 from vllm_files import assert_same_or_tie, peft_greedy, save_model_and_adapters  # noqa: E402
+from vllm_run import launch  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENS = 10
 # adapters on q_proj v_proj o_proj down_proj, and one on every projection (vLLM merges
 # q/k/v into one qkv_proj and gate/up into gate_up_proj: slices of one linear)
@@ -45,22 +42,8 @@ def files():
 
 
 def run(spec, **env):
-    """tests/vllm_run.py on ``spec`` in a fresh process; its answer."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    full = dict(os.environ, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0", **env)
-    full.pop("VLLM_PLUGINS", None) if "VLLM_PLUGINS" not in env else None
-    try:
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_run.py"), f.name],
-                              env=full, capture_output=True, text=True, timeout=900)
-    finally:
-        os.unlink(f.name)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:]), proc.stderr + proc.stdout
-    raise AssertionError(f"vLLM failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                         f"{proc.stderr[-8000:]}")
+    """tests/vllm_run.py on ``spec`` in a fresh process; its answer and output."""
+    return launch(spec, env, timeout=900)
 
 
 def offline(files, dtype="float32", **env):

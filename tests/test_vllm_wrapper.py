@@ -7,7 +7,6 @@ with LORAHOOK_REQUIRE_VLLM=1.
 """
 import logging
 
-import numpy as np
 import pytest
 
 from required import need

@@ -166,6 +166,33 @@ def _server_work(spec, url):
     return out
 
 
+def launch(spec, env=None, timeout=1800):
+    """Run this script on ``spec`` in a fresh process: ``(answer, its output)``.
+
+    ``env`` adds to this process's environment (``VLLM_PLUGINS`` is taken from
+    it alone); vLLM runs offline, with 1 GiB of KV cache unless the
+    environment says otherwise, its compute bound to CPU 0.
+    """
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    full = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    full.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"),
+                **(env or {}))
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), f.name], env=full,
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        os.unlink(f.name)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:]), proc.stderr + proc.stdout
+    raise RuntimeError(f"vLLM failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                       f"{proc.stderr[-8000:]}")
+
+
 def main():
     with open(sys.argv[1]) as f:
         spec = json.load(f)
