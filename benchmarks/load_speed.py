@@ -41,7 +41,7 @@ def _weights(directory):
 
 def _forget_layouts():
     """Clear what loads keep of the layouts they have seen (header, read plan, names, scales, module paths)."""
-    from lorahook.files import safetensors
+    from lorahook.files import safetensors_file as safetensors
     from lorahook.models import lookup
 
     safetensors._forget_layouts()
@@ -58,7 +58,7 @@ def _stages(paths, repeats):
     from safetensors import safe_open
 
     from lorahook.files import reader
-    from lorahook.files.safetensors import read_float32, read_safetensors_header
+    from lorahook.files.safetensors_file import read_float32, read_safetensors_header
 
     directory = paths["F32"]
     weights = _weights(directory)

@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks.bench_rows import DoraRows  # noqa: E402
 
-from lorahook import _bench_variants, threads  # noqa: E402
+from lorahook import threads  # noqa: E402
+from lorahook.bench import variants as bench_variants  # noqa: E402
 
 
 def dora_rows(repeats=31):
@@ -49,7 +50,7 @@ def main():
     args = parser.parse_args()
     print("DoRA row against a plain LoRA row (float32, medians):")
     print("\n".join(dora_rows()))
-    print(_bench_variants.format_report(_bench_variants.run(rounds=args.rounds)))
+    print(bench_variants.format_report(bench_variants.run(rounds=args.rounds)))
     blas = threads.info().get("blas", {})
     print(f"BLAS: {blas}")
 

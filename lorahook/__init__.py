@@ -17,7 +17,8 @@ from .models import (
     load_model_config,
 )
 from .hook import LoraHook, NoopLoraHook, apply_lora_embedding, apply_lora_rows
-from .serving import AdapterSet, BoundBatch, BoundSequences
+from .adapter_set import AdapterSet
+from .bound import BoundBatch, BoundSequences
 from . import threads
 
 __version__ = "0.1.0"

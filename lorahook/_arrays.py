@@ -4,27 +4,19 @@ Every array an adapter keeps is a read-only, native, C-contiguous copy made
 once here (or adopted as it is when it already is one); DoRA's base terms are
 computed here from a layer's factors and its base weight.
 """
-import math
-import numbers
 import sys
 
 import numpy as np
 
 from . import _halfconv
+from ._values import finite_real
 
 _INT_MAX = 2**31 - 1
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _finite_scale(value, name):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if abs(value) > _FLOAT32_MAX:
-        raise ValueError(f"{name} must fit in float32 (|{name}| <= {_FLOAT32_MAX:.7g}), got {value}")
-    return value
+    """A scale or weight: a finite real that fits in float32."""
+    return finite_real(value, name, float32=True)
 
 
 _WEIGHT_DTYPES = ("float32", "float16", "bfloat16")

@@ -1,10 +1,10 @@
 # cython: language_level=3
 # Half-precision conversions: lorahook._halfconv owns the choice of path (the
-# state of _half.h); other modules convert through the functions below.
+# state of _halfconv.h); other modules convert through the functions below.
 cimport numpy as cnp
 from libc.stdint cimport uint16_t
 
-cdef extern from "_half.h" nogil:
+cdef extern from "_halfconv.h" nogil:
     int LORAHOOK_HALF_F16
     int LORAHOOK_HALF_BF16
     int LORAHOOK_HALF_PORTABLE

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Half-precision conversions: float16 and bfloat16 to float32 and back.
 
-float16 and bfloat16 values are 16-bit patterns (uint16); ``_half.h`` widens
+float16 and bfloat16 values are 16-bit patterns (uint16); ``_halfconv.h`` widens
 them to float32 and narrows float32 back with round-to-nearest-even, on the
 fastest path this CPU supports (AVX-512 BF16, AVX2 + F16C) or on a portable
 path that gives the same bits.  This module owns which path is active, so one
@@ -25,7 +25,7 @@ import numpy as np
 
 cnp.import_array()
 
-cdef extern from "_half.h" nogil:
+cdef extern from "_halfconv.h" nogil:
     int LORAHOOK_HALF_AVX2
     int LORAHOOK_HALF_AVX512
     int lorahook_half_best_path() noexcept

@@ -10,7 +10,7 @@ cdef struct Segment:
     const float *b          # B^T: (rank, d_out), row-major (B column-major)
     const unsigned short *a16   # the same as 16-bit patterns when wkind >= 0
     const unsigned short *b16
-    int wkind               # -1: float32 weights; else the _half.h kind of a16/b16
+    int wkind               # -1: float32 weights; else the _halfconv.h kind of a16/b16
     const float *bias       # (d_out,) or NULL
     const unsigned short *bias16   # the bias as 16-bit patterns (wkind >= 0), or NULL
     int rank
@@ -33,7 +33,7 @@ cdef class LayerKernel:
     cdef const unsigned short[:, ::1] a16   # a and bt as 16-bit patterns (half weights)
     cdef const unsigned short[:, ::1] bt16
     cdef const unsigned short[::1] bias16
-    cdef int wkind                 # -1: float32 weights; else the _half.h kind
+    cdef int wkind                 # -1: float32 weights; else the _halfconv.h kind
     cdef const float[::1] bias
     cdef readonly int rank
     cdef readonly int d_in

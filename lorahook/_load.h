@@ -13,7 +13,7 @@
  *
  * Both are static, allocate nothing and touch no Python object, so they may be
  * called without the GIL.  The AVX2 paths are compiled for their own target
- * and chosen at run time, as in _half.h (include that header first).
+ * and chosen at run time, as in _halfconv.h (include that header first).
  */
 #ifndef LORAHOOK_LOAD_H
 #define LORAHOOK_LOAD_H
@@ -24,7 +24,7 @@
 #include <sys/mman.h>
 
 #ifndef LORAHOOK_HALF_H
-#error "include _half.h before _load.h"
+#error "include _halfconv.h before _load.h"
 #endif
 
 #if LORAHOOK_HALF_X86

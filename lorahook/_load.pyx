@@ -20,7 +20,7 @@ from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, widen_n
 
 cnp.import_array()
 
-cdef extern from "_half.h":
+cdef extern from "_halfconv.h":
     pass
 
 cdef extern from "_load.h" nogil:

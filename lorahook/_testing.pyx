@@ -20,7 +20,7 @@ cnp.import_array()
 ctypedef void (*widen_fn)(const uint16_t *, float *, size_t, int) noexcept nogil
 ctypedef void (*narrow_fn)(const float *, uint16_t *, size_t, int) noexcept nogil
 
-cdef extern from "_half.h":
+cdef extern from "_halfconv.h":
     pass
 
 cdef extern from *:

@@ -19,7 +19,7 @@ from .models import EMBEDDING_MODULES, BertConfig, ModelGeometry
 from ._arrays import (_FLOAT32, _WEIGHT_DTYPES, _adoptable, _as_float32, _check_bias_shape,
                       _check_factor_shapes, _dora_terms, _finite_scale, _owned_float32,
                       _rounded, _weight_dtype)
-from .saved import SavedModule
+from .saved_module import SavedModule
 
 __all__ = ["LoraLayer", "LoraAdapter", "SavedModule", "blend", "key_order"]
 

@@ -244,7 +244,7 @@ def cmd_validate(args, out):
 
 def cmd_bench(args, out):
     try:
-        from . import _bench as bench
+        from . import bench
     except ImportError as exc:
         raise CommandError(f"lorahook bench is not available: {exc}") from None
     code = bench.main(list(args.bench_args))
@@ -349,7 +349,7 @@ def cmd_demo(args, out):
     from . import apply_lora_rows
     from .adapter import LoraAdapter
     from .errors import LoraValidationError
-    from .serving import AdapterSet
+    from .adapter_set import AdapterSet
 
     w = out.write
     if (args.adapter is None) != (args.model is None):
@@ -527,20 +527,20 @@ def build_parser():
                    help="time budget for the speed measurement, 0 to skip (default 1)")
     p.set_defaults(func=cmd_demo)
 
-    from . import serve
+    from . import server
     p = sub.add_parser("serve", help="an OpenAI-compatible server for a model and its adapters",
                        description="Serve a transformers causal LM and PEFT adapters over "
                                    "OpenAI's API (/v1/models, /v1/completions, "
                                    "/v1/chat/completions, streaming), on Ray Serve: requests for "
                                    "different adapters share batches. Needs "
                                    "pip install 'lorahook[serve]'. Stops on SIGINT or SIGTERM.")
-    serve.add_arguments(p)
+    server.add_arguments(p)
     p.set_defaults(func=cmd_serve)
     return parser
 
 
 def cmd_serve(args, out):
-    from . import serve
+    from . import server
     try:
         import fastapi  # noqa: F401
         import ray.serve  # noqa: F401
@@ -548,7 +548,7 @@ def cmd_serve(args, out):
     except ImportError as exc:
         raise CommandError(f"needs Ray Serve, FastAPI and transformers ({exc}): "
                            f"pip install 'lorahook[serve]'", EXIT_USAGE) from None
-    return serve.main(args, out)
+    return server.main(args, out)
 
 
 def _version():

@@ -1,7 +1,7 @@
 """lorahook on Ray Serve: mixed-adapter batches, adapter-affine routing, one copy per node.
 
-Needs Ray Serve (``pip install 'lorahook[ray]'``); this is the one lorahook
-module that imports ray, and ``import lorahook`` never imports it.
+Needs Ray Serve (``pip install 'lorahook[ray]'``); ``import lorahook`` never
+imports ray (this module and :mod:`lorahook.server` do, when they are imported).
 
 - :func:`batch` gathers the pending requests of any adapters into one batch
   (Ray's own ``serve.batch`` splits a batch by multiplexed model id: one
@@ -44,17 +44,17 @@ except ImportError as exc:
 import asyncio
 import collections
 import functools
-import numbers
 import os
 import pickle
 import threading
 import warnings
 import weakref
 
-from ._batching import DONE, Joined, _found, batch
+from ._batching import DONE, Joined, batch
+from ._values import describe as _found, is_int
 from .adapter import LoraAdapter
-from . import serving
-from .serving import AdapterSet
+from .adapter_set import AdapterSet
+from .resolver import Load, check_name, check_resolver, identity as resolver_identity, resolve
 
 __all__ = ["batch", "DONE", "Joined", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"]
 
@@ -85,7 +85,7 @@ class AdapterLease:
 
 
 def _check_max_models(value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"max_num_models_per_replica must be an int >= 1, found {_found(value)}")
     if value < 1:
         raise ValueError(
@@ -181,15 +181,6 @@ def multiplexed(adapters, max_num_models_per_replica):
 # --------------------------------------------------------------------------- shared_resolver
 
 
-def _check_resolver(resolver):
-    """A directory or callable resolver, checked as ``AdapterSet`` checks it (``None`` refused)."""
-    checked = serving._check_resolver(resolver)
-    if checked is None:
-        raise TypeError("resolver must be a directory of PEFT adapters (str or os.PathLike) or a "
-                        "callable name -> LoraAdapter | path | None, got None")
-    return checked
-
-
 def _portable_error(exc):
     """``exc`` if it pickles (it travels back to the caller), else a RuntimeError saying what it was."""
     try:
@@ -197,23 +188,6 @@ def _portable_error(exc):
         return exc
     except Exception:
         return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
-
-
-def _resolver_identity(resolver):
-    """What tells two resolvers apart across processes: a directory's path, a callable's name."""
-    if isinstance(resolver, str):
-        return ("directory", os.path.normpath(resolver))
-    target = resolver if hasattr(resolver, "__qualname__") else type(resolver)
-    return ("callable", getattr(target, "__module__", None), getattr(target, "__qualname__", None))
-
-
-class _Load:
-    __slots__ = ("done", "ref", "error")
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.ref = None
-        self.error = None
 
 
 class _ResolverActor:
@@ -229,7 +203,7 @@ class _ResolverActor:
         self._resolver = resolver
         self._lock = threading.Lock()
         self._held = {}  # name -> (ObjectRef, nbytes)
-        self._loading = {}  # name -> _Load
+        self._loading = {}  # name -> Load
         self._loads = collections.Counter()
         self._failures = collections.Counter()
 
@@ -242,16 +216,16 @@ class _ResolverActor:
             job = self._loading.get(name)
             mine = job is None
             if mine:
-                job = self._loading[name] = _Load()
+                job = self._loading[name] = Load()
         if mine:
             try:
                 # the resolver rules of AdapterSet: safe names, directories, callables
-                adapter = serving.resolve(self._resolver, name)
+                adapter = resolve(self._resolver, name)
                 nbytes = adapter.nbytes
-                job.ref = ray.put(adapter)
+                job.value = ray.put(adapter)
                 del adapter
                 with self._lock:
-                    self._held[name] = (job.ref, nbytes)
+                    self._held[name] = (job.value, nbytes)
                     self._loads[name] += 1
             except Exception as exc:
                 job.error = _portable_error(exc)
@@ -265,10 +239,10 @@ class _ResolverActor:
             job.done.wait()
         if job.error is not None:
             return ("error", job.error)
-        return ("ref", [job.ref])
+        return ("ref", [job.value])
 
     def resolver_identity(self):
-        return _resolver_identity(self._resolver)
+        return resolver_identity(self._resolver)
 
     def drop(self, name):
         with self._lock:
@@ -309,8 +283,8 @@ class SharedResolver:
     max_concurrency = 16
 
     def __init__(self, resolver, name="lorahook-adapters"):
-        self._resolver = _check_resolver(resolver)
-        self._name = serving._check_name(name, "name (the actor's name)")
+        self._resolver = check_resolver(resolver, optional=False)
+        self._name = check_name(name, "name (the actor's name)")
         self._checked = False  # whether the running actor's resolver was compared with ours
 
     def __reduce__(self):
@@ -358,7 +332,7 @@ class SharedResolver:
             return
         running = tuple(ray.get(handle.resolver_identity.remote()))
         self._checked = True
-        mine = _resolver_identity(self._resolver)
+        mine = resolver_identity(self._resolver)
         if running != mine:
             warnings.warn(
                 f"shared_resolver {self._name!r} uses a running actor that loads with another "
@@ -393,7 +367,7 @@ class SharedResolver:
         this process).  Raises what the load raised: ``KeyError`` for an
         unknown name, :class:`~lorahook.LoraFormatError` for a broken one.
         """
-        kind, value = self._call("resolve", serving._check_name(name))
+        kind, value = self._call("resolve", check_name(name))
         if kind == "error":
             raise value
         adapter = ray.get(value[0])
@@ -409,7 +383,7 @@ class SharedResolver:
         the copy while anyone maps it); the next first use loads it again --
         how a changed adapter directory is picked up.
         """
-        if not self._call("drop", serving._check_name(name)):
+        if not self._call("drop", check_name(name)):
             raise KeyError(f"shared_resolver {self._name!r} holds no adapter named {name!r}")
 
     def stats(self):

@@ -501,7 +501,7 @@ def attach(model, hook, *, mapping=None):
 
     from .adapter import LoraAdapter
     from .errors import LoraValidationError
-    from .serving import AdapterSet
+    from .adapter_set import AdapterSet
 
     adapter_set = hook if isinstance(hook, AdapterSet) else None
     if adapter_set is None and not isinstance(hook, LoraHook):

@@ -191,7 +191,7 @@ def test_half_adapter_files_round_trip(tmp_path, dt):
     half = LoraAdapter({(1, "q_proj"): LoraLayer(rng.standard_normal((4, 32)),
                                                  rng.standard_normal((24, 4)))}).astype(dt)
     half.save_peft(tmp_path / "a", architecture="llama")
-    from lorahook.files.safetensors import read_safetensors_header
+    from lorahook.files.safetensors_file import read_safetensors_header
     tensors = read_safetensors_header(tmp_path / "a" / "adapter_model.safetensors")[0]
     assert {t["dtype"] for t in tensors.values()} == {"F16" if dt == F16 else "BF16"}
     again = LoraAdapter.from_peft(tmp_path / "a", dtype=dt)

@@ -318,7 +318,7 @@ def test_bad_tensors(tmp_path, case):
 
 def _checked(raw, data_len):
     """What the header check says of one raw header: its layout, or ``None`` when refused."""
-    from lorahook.files import safetensors as st_reader
+    from lorahook.files import safetensors_file as st_reader
     try:
         return st_reader._checked_header(raw, data_len, "h.safetensors")
     except LoraFormatError:
@@ -377,7 +377,7 @@ def test_the_header_check_accepts_exactly_the_well_formed_generated_layouts(tens
 
 
 def test_many_dimensions_are_checked_without_huge_products(tmp_path):
-    from lorahook.files.safetensors import read_safetensors_header
+    from lorahook.files.safetensors_file import read_safetensors_header
     f = tmp_path / "ones.safetensors"
     f.write_bytes(st_bytes({"t": entry("F32", [1] * 20, 0, 4)}, bytes(4)))
     tensors, _, _, _ = read_safetensors_header(f)
@@ -395,7 +395,7 @@ def test_many_dimensions_are_checked_without_huge_products(tmp_path):
 
 @pytest.mark.parametrize("extra", ['{"a": 1, "a": 2}', '[{"a": 1, "a": 2}]', '{"b": {"a": 1, "a": 2}}'])
 def test_a_key_given_twice_in_any_nested_object_is_refused(tmp_path, extra):
-    from lorahook.files.safetensors import read_safetensors_header
+    from lorahook.files.safetensors_file import read_safetensors_header
     hdr = json.dumps(valid_header())
     raw = hdr[:-2] + f', "x": {extra}' + "}}"
     f = tmp_path / "dup.safetensors"

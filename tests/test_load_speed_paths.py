@@ -21,8 +21,8 @@ import pytest
 safetensors = pytest.importorskip("safetensors")
 
 from lorahook import LoraAdapter, LoraFormatError, LoraLayer  # noqa: E402
-from lorahook.files import safetensors as st_reader  # noqa: E402
-from lorahook.files.safetensors import (SafetensorsFile, read_float32,  # noqa: E402
+from lorahook.files import safetensors_file as st_reader  # noqa: E402
+from lorahook.files.safetensors_file import (SafetensorsFile, read_float32,  # noqa: E402
                                          read_safetensors_header)
 from peft_dirs import write_dir  # noqa: E402
 

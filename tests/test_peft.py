@@ -463,7 +463,7 @@ def test_targeting_mismatch_refused(tmp_path, standard):
 @pytest.mark.parametrize("over, words", [
     ({"r": 0}, "r must be a positive integer"),
     ({"r": "4"}, "r must be a positive integer"),
-    ({"lora_alpha": "x"}, "lora_alpha must be a finite number"),
+    ({"lora_alpha": "x"}, "lora_alpha must be a real number"),
     ({"rank_pattern": {"q_proj": 0}}, r"rank_pattern\['q_proj'\]"),
     ({"alpha_pattern": {"(": 2}}, "alpha_pattern key '\\(' is not a valid regular expression"),
 ])

@@ -312,8 +312,11 @@ def test_unknown_adapter_raises_before_ray_hears_of_it():
 
 
 def test_shared_resolver_checks_and_pickles():
-    with pytest.raises(TypeError, match=r"resolver must be None, a directory .* got int"):
+    # a shared resolver needs something to load with: None is not offered
+    with pytest.raises(TypeError, match=r"resolver must be a directory .* got int"):
         shared_resolver(3)
+    with pytest.raises(TypeError, match=r"resolver must be a directory .* got NoneType"):
+        shared_resolver(None)
     with pytest.raises(TypeError, match=r"name \(the actor's name\) must be a str, got int"):
         shared_resolver("/tmp", name=3)
     with pytest.raises(ValueError, match=r"name \(the actor's name\) must be a non-empty str, got ''"):

@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from lorahook import serve
+from lorahook import server as serve
 
 
 def parser():

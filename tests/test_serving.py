@@ -10,7 +10,7 @@ import pytest
 
 from lorahook import (BertConfig, LoraAdapter, LoraHook, LoraLayer, LoraValidationError,
                       apply_lora_rows, _kernels)
-from lorahook.serving import AdapterSet, BoundBatch
+from lorahook import AdapterSet, BoundBatch
 
 D_IN, D_OUT = 24, 40
 

@@ -1,7 +1,7 @@
 """A model, tokenizer and PEFT adapters for the vLLM tests and benchmark (made locally)."""
 import os
 
-from lorahook._bench_serve import SIZES, save_adapter, save_model
+from serve_files import SIZES, save_adapter, save_model
 
 # the tiny model: head_dim 64, which vLLM's CPU attention serves
 TINY = dict(hidden=128, layers=2, intermediate=256, heads=2, kv_heads=1)

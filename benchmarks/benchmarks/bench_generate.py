@@ -1,4 +1,4 @@
-"""Mixed-adapter ``generate`` (see :mod:`lorahook._bench_generate`): base, PEFT, lorahook.
+"""Mixed-adapter ``generate`` (see :mod:`lorahook.bench.generate`): base, PEFT, lorahook.
 
 Skipped (``NotImplementedError``) where torch, transformers or peft are not
 installed, or on lorahook versions without sequence selections.
@@ -16,7 +16,8 @@ class _Generate:
     def _build(self, contender, dtype, quant=None):
         try:
             import torch
-            from lorahook import _bench_generate as bench_generate, threads
+            from lorahook import threads
+            from lorahook.bench import generate as bench_generate
         except ImportError:
             raise NotImplementedError
         if quant is not None and not hasattr(bench_generate, "QUANTIZED"):

@@ -15,7 +15,7 @@ import numpy as np
 import lorahook
 from lorahook import LoraAdapter, LoraLayer, NoopLoraHook, Qwen35Config, apply_lora_rows
 from lorahook import threads as lh_threads
-from lorahook._bench import QWEN35_0_8B
+from lorahook.bench.rows import QWEN35_0_8B
 
 
 def _layer(rng, d_in, d_out, rank):
@@ -199,7 +199,7 @@ class BindPerStep:
     timeout = 300
 
     def setup(self, mode):
-        bench = __import__("lorahook._bench", fromlist=["bind_cost_setup"])
+        bench = __import__("lorahook.bench.rows", fromlist=["bind_cost_setup"])
         if not hasattr(bench, "bind_cost_setup"):
             raise NotImplementedError
         _configure()

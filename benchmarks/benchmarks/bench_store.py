@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from lorahook import LoraAdapter, LoraLayer, Qwen35Config
-from lorahook._bench import QWEN35_0_8B
+from lorahook.bench.rows import QWEN35_0_8B
 
 STORE_DTYPES = ("F32", "F16", "BF16")
 

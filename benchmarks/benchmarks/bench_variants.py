@@ -1,4 +1,4 @@
-"""Adapters beyond plain LoRA against PEFT (see :mod:`lorahook._bench_variants`).
+"""Adapters beyond plain LoRA against PEFT (see :mod:`lorahook.bench.variants`).
 
 ``DoraGenerate``: a DoRA adapter, a plain one and the base in one ``generate``
 (lorahook) against PEFT, which runs one ``generate`` per sequence (it cannot
@@ -17,7 +17,8 @@ class _Scenario:
     def _build(self, builder, contenders, contender):
         try:
             import torch
-            from lorahook import _bench_variants as variants, threads
+            from lorahook import threads
+            from lorahook.bench import variants
         except ImportError:
             raise NotImplementedError
         threads.configure(blas_threads=1)

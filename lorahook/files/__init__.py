@@ -8,7 +8,7 @@ turns a PEFT directory or a bare safetensors file into plain data (:class:`Adapt
 """
 from .peft_config import CONFIG_NAME, PeftLoraConfig
 from .reader import PICKLE_NAMES, WEIGHTS_NAME, AdapterData, LayerData, read_peft, read_safetensors_adapter
-from .safetensors import (MAX_HEADER_BYTES, SafetensorsFile, read_float32, read_safetensors,
+from .safetensors_file import (MAX_HEADER_BYTES, SafetensorsFile, read_float32, read_safetensors,
                           read_safetensors_header)
 from .writer import write_peft
 

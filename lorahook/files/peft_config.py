@@ -22,7 +22,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from ..errors import LoraFormatError
-from .safetensors import is_int, short
+from .._values import finite_real
+from .safetensors_file import is_int, short
 
 __all__ = ["PeftLoraConfig", "CONFIG_NAME", "pattern_lookup", "check_scale", "finite_number"]
 
@@ -65,16 +66,9 @@ def _is_empty(value: Any) -> bool:
 
 
 def finite_number(value: Any, what: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise LoraFormatError(f"{where}: {what} must be a finite number, found {value!r}")
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:
-        finite = False
-    if not finite:
-        raise LoraFormatError(f"{where}: {what} must be a finite number, found {short(value)}")
-    return value
-
+    """``value`` (a JSON number) as a finite float; :class:`LoraFormatError` naming ``where``."""
+    return finite_real(value, f"{where}: {what}", type_error=LoraFormatError,
+                       value_error=LoraFormatError)
 
 
 def check_scale(scale: Any, what: str, where: str) -> float:

@@ -9,7 +9,7 @@ pytest.importorskip("peft")
 pytest.importorskip("tokenizers")
 
 import lorahook  # noqa: E402
-from lorahook._engine import Batch, Request  # noqa: E402
+from lorahook.server.engine import Batch, Request  # noqa: E402
 from lorahook.torch import attach, geometry_of  # noqa: E402
 
 import serve_files  # noqa: E402

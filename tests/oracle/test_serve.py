@@ -25,7 +25,7 @@ openai = _need("openai")
 httpx = _need("httpx")
 
 import serve_files  # noqa: E402
-from lorahook._bench_serve import start_server  # noqa: E402
+from serve_files import start_server  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -140,7 +140,7 @@ def test_tiny_qwen35_equals_peft(tiny_qwen, tmp_path):
 
 def test_tiny_qwen35_mixed_batch(tiny_qwen, tmp_path):
     """A bound AdapterSet batch: each sequence gets its own adapter (or none)."""
-    from lorahook.serving import AdapterSet
+    from lorahook import AdapterSet
     base, cfg = tiny_qwen
     peft_a, a = _peft_adapter(base, tmp_path, "a", seed=4, r=4, lora_alpha=8,
                               target_modules=QWEN_TARGETS)

@@ -3,7 +3,7 @@
 Two scenarios, shared by ``benchmarks/variants.py``, the asv suite and the
 examples; both build random models locally (nothing is downloaded):
 
-* **DoRA generate** -- the random Qwen3.5 of :mod:`lorahook._bench_generate`
+* **DoRA generate** -- the random Qwen3.5 of :mod:`lorahook.bench.generate`
   (float32, torch on 2 threads), two adapters on every projection, ``dora``
   (``use_dora``, rank 16) and ``plain`` (rank 16), and three prompts of 24
   tokens, 16 new tokens, greedy, selecting ``["dora", "plain", None]``.
@@ -25,7 +25,7 @@ torch, transformers and peft (``ImportError`` otherwise).
 import copy
 import tempfile
 
-from ._bench_generate import GENERATE_CONFIG, TARGETS, timed as _timed
+from .generate import GENERATE_CONFIG, TARGETS, timed as _timed
 
 __all__ = ["build_dora", "dora_contenders", "build_rerankers", "reranker_contenders", "run",
            "format_report"]
@@ -60,8 +60,8 @@ def build_dora(workdir):
     import torch
     import transformers
 
-    from . import AdapterSet, LoraAdapter
-    from .torch import attach
+    from .. import AdapterSet, LoraAdapter
+    from ..torch import attach
 
     torch.manual_seed(0)
     base = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**GENERATE_CONFIG)).eval()
@@ -114,8 +114,8 @@ def build_rerankers(workdir):
     import torch
     import transformers
 
-    from . import AdapterSet, BertConfig, LoraAdapter
-    from .torch import attach
+    from .. import AdapterSet, BertConfig, LoraAdapter
+    from ..torch import attach
 
     torch.manual_seed(0)
     base = transformers.BertForSequenceClassification(transformers.BertConfig(**BERT)).eval()
@@ -160,7 +160,7 @@ def run(rounds=5, torch_threads=2):
     """Time both scenarios; a dict of medians (seconds), ratios and agreement checks."""
     import torch
 
-    from . import threads
+    from .. import threads
 
     previous = threads.configure(blas_threads=1)
     old = torch.get_num_threads()

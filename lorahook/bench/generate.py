@@ -84,8 +84,8 @@ def build(workdir, dtype="float32", quant=None):
     import torch
     import transformers
 
-    from . import AdapterSet, LoraAdapter
-    from .torch import attach
+    from .. import AdapterSet, LoraAdapter
+    from ..torch import attach
 
     torch.manual_seed(0)
     config = transformers.Qwen3_5TextConfig(**GENERATE_CONFIG)
@@ -156,7 +156,7 @@ def run(rounds=7, torch_threads=2, dtype="float32", quant=None):
     """Time the three contenders; returns a dict of medians (seconds) and ratios."""
     import torch
 
-    from . import threads
+    from .. import threads
 
     previous = threads.configure(blas_threads=1)
     old = torch.get_num_threads()

@@ -1,26 +1,12 @@
-"""Serving many adapters over one base model: :class:`AdapterSet` and bound batches.
+"""Many adapters over one base model: :class:`AdapterSet`, a store in bounded memory.
 
 A CPU inference server keeps its adapters in an :class:`AdapterSet`, one per
 customer or task, and for every batch calls :meth:`AdapterSet.bind` with the
 adapter name (or ``None``) of each row.  The result is a
 :class:`~lorahook.LoraHook` for exactly that batch, passed to
-:func:`lorahook.apply_lora_rows` after each projection like any other hook.
-
-How a bound batch is computed
------------------------------
-At bind time the rows are grouped by adapter: for every adapter the batch
-uses, the ascending ``int32`` indices of its rows and their scales are
-computed once.  A projection call then does a handful of dictionary lookups
-and one call into the compiled core, which -- with the GIL released -- runs
-one matrix-matrix product pair per adapter (or the per-row loop for groups
-smaller than :func:`lorahook._kernels.get_gemm_crossover`, the same crossover a
-single adapter uses), gathers rows that are not contiguous in the batch and
-scatter-adds the deltas back.  Rows without an adapter, or whose effective
-scale is zero, are never written: their output stays bit-identical.
-
-Different kernel paths round differently in the last bits, so a row's result
-can depend on the batch it was computed in (how many other rows share its
-adapter, and where they are).
+:func:`lorahook.apply_lora_rows` after each projection like any other hook
+(:mod:`lorahook.bound`).  Names it does not hold are found through its resolver
+(:mod:`lorahook.resolver`).
 
 Snapshots and threads
 ---------------------
@@ -31,54 +17,21 @@ version of every adapter for its whole life: an adapter replaced or removed
 after ``bind`` never changes, or tears, a batch in flight.  Adapters are
 immutable, so a bound batch can be applied from several threads at once.
 """
-import math
-import numbers
-import os
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
 from types import MappingProxyType
 
-import numpy as np
+from . import threads
+from ._values import describe, is_int
+from .adapter import _base_lookup
+from .bound import BoundBatch, BoundSequences, group_units, refuse_unknown, unit_factors
+from .errors import LoraCapacityError
+from .resolver import Load, check_adapter, check_lookup_name, check_name, check_resolver, resolve
 
-from . import _rows, threads
-from .adapter import LoraAdapter, _base_lookup
-from .errors import LoraCapacityError, LoraFormatError
-from .hook import LoraHook
-
-__all__ = ["AdapterSet", "BoundBatch", "BoundSequences"]
+__all__ = ["AdapterSet"]
 
 _EMPTY = MappingProxyType({})
-
-
-def _check_name(name, what="adapter name"):
-    if not isinstance(name, str):
-        raise TypeError(f"{what} must be a str, got {type(name).__name__} ({name!r})")
-    if not name:
-        raise ValueError(f"{what} must be a non-empty str, got ''")
-    return name
-
-
-def _check_lookup_name(name):
-    """A name to look up: a ``str`` (``TypeError`` otherwise); ``""`` is simply unknown."""
-    if not isinstance(name, str):
-        raise TypeError(f"adapter name must be a str, got {type(name).__name__} ({name!r})")
-    if not name:
-        raise KeyError("no adapter named '': adapter names are non-empty")
-    return name
-
-
-def _check_adapter(name, adapter):
-    if not isinstance(adapter, LoraAdapter):
-        raise TypeError(
-            f"adapter {name!r} must be a lorahook.LoraAdapter, got {type(adapter).__name__}")
-    if adapter._core_dispatch != _rows.DISPATCH_KERNELS:
-        raise TypeError(
-            f"adapter {name!r} is a {type(adapter).__name__} with its own is_active or apply; an "
-            f"AdapterSet batches adapters in the compiled core, which would not call them "
-            f"(serve it alone with apply_lora_rows)")
-    return adapter
 
 
 def _check_model(model):
@@ -92,83 +45,12 @@ def _check_model(model):
     return model
 
 
-def _check_resolver(resolver):
-    if resolver is None or callable(resolver):
-        return resolver
-    if isinstance(resolver, (str, os.PathLike)):
-        path = os.fspath(resolver)
-        if isinstance(path, bytes) or not path:
-            raise TypeError(f"a resolver directory must be a non-empty str path, got {resolver!r}")
-        return path
-    raise TypeError(f"resolver must be None, a directory (str or os.PathLike) or a callable "
-                    f"name -> LoraAdapter | path | None, got {type(resolver).__name__}")
-
-
-def _safe_component(name):
-    """Whether ``name`` is one path component that stays inside its directory."""
-    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
-    return (bool(name) and name not in (".", "..") and "\0" not in name
-            and not any(sep in name for sep in seps) and not os.path.isabs(name)
-            and os.path.basename(name) == name)
-
-
-def _load_directory(name, path):
-    """A resolved name's PEFT directory, read with ``LoraAdapter.from_peft``."""
-    if not os.path.isdir(path):
-        raise LoraFormatError(f"adapter {name!r}: {os.fspath(path)} is not a PEFT adapter "
-                              f"directory (expected a directory with adapter_config.json)")
-    if not os.path.exists(os.path.join(path, "adapter_config.json")):
-        raise LoraFormatError(f"adapter {name!r}: {os.fspath(path)} is not a PEFT adapter "
-                              f"directory: it has no adapter_config.json")
-    return LoraAdapter.from_peft(path)
-
-
-def resolve(resolver, name):
-    """The adapter a resolver (SPEC section 9) gives for ``name``, validated by nothing else.
-
-    ``resolver`` is a checked directory path or callable (``_check_resolver``).
-    ``KeyError`` for an unknown or unsafe name, ``LoraFormatError`` for a path that
-    is not a PEFT directory, ``TypeError`` for a callable's wrong answer.
-    """
-    if callable(resolver):
-        found = resolver(name)
-        if found is None:
-            raise KeyError(f"no adapter named {name!r}: the resolver does not know it")
-        if isinstance(found, LoraAdapter):
-            return _check_adapter(name, found)
-        if isinstance(found, (str, os.PathLike)):
-            return _load_directory(name, found)
-        raise TypeError(f"the resolver returned {type(found).__name__} for {name!r}; "
-                        f"expected a LoraAdapter, a path or None")
-    if not _safe_component(name):
-        raise KeyError(f"no adapter named {name!r}: a resolver directory takes names that "
-                       f"are one safe path component (no separators, not '.' or '..')")
-    path = os.path.join(resolver, name)
-    if not os.path.lexists(path):
-        raise KeyError(f"no adapter named {name!r}: {path} does not exist")
-    return _load_directory(name, path)
-
-
 def _nbytes(entries):
     """Bytes of the installed entries' arrays, an array shared between adapters counted once."""
     seen = {}
     for entry in entries:
         seen.update(entry.arrays)
     return int(sum(seen.values()))
-
-
-def _finite(value, what):
-    """``value`` as a finite float; ``TypeError`` / ``ValueError`` naming ``what``."""
-    if type(value) is float and math.isfinite(value):
-        return value
-    if isinstance(value, np.ndarray) and value.ndim == 0:
-        value = value[()]
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a real number, got {type(value).__name__} ({value!r})")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{what} must be finite, got {value}")
-    return value
 
 
 class _Installed:
@@ -188,24 +70,6 @@ class _Installed:
         self.layer_scales = tuple(sorted(scales))
         # DoRA layers and saved modules are not linear in the scale: rows take 0 or 1
         self.exact = adapter._row_exact
-
-
-class _Load:
-    """One resolver call for one name: its owner sets the entry or the error, waiters wait.
-
-    ``abandoned`` when the owner was interrupted by a ``BaseException`` that is
-    not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``): that stays
-    in the owner's thread, and the waiters load the name again themselves.
-    """
-
-    __slots__ = ("done", "entry", "error", "abandoned", "installed")
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.entry = None       # the _Installed made from the loaded adapter
-        self.error = None       # an Exception: every thread waiting on the load gets it
-        self.abandoned = False
-        self.installed = False  # installed once at most: one resolver call, one load
 
 
 class AdapterSet:
@@ -255,14 +119,14 @@ class AdapterSet:
         threads._look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         self._model = _check_model(model)
         if capacity_bytes is not None:
-            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, numbers.Integral):
+            if not is_int(capacity_bytes):
                 raise TypeError(f"capacity_bytes must be an int >= 0 or None, got "
-                                f"{type(capacity_bytes).__name__} ({capacity_bytes!r})")
+                                f"{describe(capacity_bytes)}")
             if capacity_bytes < 0:
                 raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
             capacity_bytes = int(capacity_bytes)
         self._capacity = capacity_bytes
-        self._resolver = _check_resolver(resolver)
+        self._resolver = check_resolver(resolver)
         if base_weights is not None:
             _base_lookup(base_weights)
         self._base_weights = base_weights
@@ -272,7 +136,7 @@ class AdapterSet:
         # resident names, least recently used first (values unused)
         self._lru = OrderedDict()
         self._pinned = set()
-        self._loading = {}  # name -> _Load in progress (or done, until installed)
+        self._loading = {}  # name -> Load in progress (or done, until installed)
         self._stats = {"hits": 0, "loads": 0, "evictions": 0, "load_seconds": 0.0}
 
     @property
@@ -291,8 +155,8 @@ class AdapterSet:
         return _nbytes(self._installed.values())
 
     def _prepare(self, name, adapter):
-        _check_name(name)
-        _check_adapter(name, adapter)
+        check_name(name)
+        check_adapter(name, adapter)
         return self._checked(adapter)
 
     def _checked(self, adapter):
@@ -412,7 +276,7 @@ class AdapterSet:
                         self._stats["hits"] += len(names)
                 return snap
             if self._resolver is None:
-                _refuse_unknown(what, set(missing), snap)
+                refuse_unknown(what, set(missing), snap)
             jobs, mine = self._claim(missing)
             keep = False  # this thread's finished loads stay claimed, to be installed
             try:
@@ -438,7 +302,7 @@ class AdapterSet:
                 return found
 
     def _claim(self, missing):
-        """``({name: _Load}, names this thread loads)`` for the names not resident now."""
+        """``({name: Load}, names this thread loads)`` for the names not resident now."""
         jobs, mine = {}, set()
         with self._lock:
             for name in missing:
@@ -446,7 +310,7 @@ class AdapterSet:
                     continue
                 job = self._loading.get(name)
                 if job is None:
-                    job = self._loading[name] = _Load()
+                    job = self._loading[name] = Load()
                     mine.add(name)
                 jobs[name] = job
         return jobs, mine
@@ -456,7 +320,7 @@ class AdapterSet:
         start = time.perf_counter()
         try:
             adapter = resolve(self._resolver, name)
-            job.entry = self._checked(adapter)
+            job.value = self._checked(adapter)
         except Exception as exc:
             job.error = exc
         except BaseException:
@@ -502,9 +366,9 @@ class AdapterSet:
                     continue
                 job = jobs.get(name)
                 if job is not None and not job.installed:
-                    changes[name] = job.entry
+                    changes[name] = job.value
                 elif job is not None:
-                    extra[name] = job.entry
+                    extra[name] = job.value
                 elif name in snap:
                     extra[name] = snap[name]
                 else:
@@ -532,7 +396,7 @@ class AdapterSet:
         adapters are evicted to fit the capacity (``LoraCapacityError`` if it
         cannot fit, nothing changed).  ``pin=True`` pins it.
         """
-        _check_name(name)
+        check_name(name)
         if name in self._installed:
             raise ValueError(f"adapter {name!r} is already installed (use replace to swap it)")
         entry = self._prepare(name, adapter)
@@ -556,7 +420,7 @@ class AdapterSet:
         before the swap keep the old adapter; batches bound after it get the
         new one.  A pinned name stays pinned.
         """
-        _check_lookup_name(name)
+        check_lookup_name(name)
         if name not in self._installed:
             raise KeyError(f"no adapter named {name!r} is installed (use add to install one)")
         entry = self._prepare(name, adapter)
@@ -571,7 +435,7 @@ class AdapterSet:
         A name the resolver knows is loaded again on its next use.  Batches
         already bound keep using the adapter.  Removing unpins.
         """
-        _check_lookup_name(name)
+        check_lookup_name(name)
         with self._lock:
             if name not in self._installed:
                 raise KeyError(f"no adapter named {name!r} is installed")
@@ -582,7 +446,7 @@ class AdapterSet:
 
         Loads it first when it is not resident and the resolver knows it.
         """
-        _check_lookup_name(name)
+        check_lookup_name(name)
         while True:
             self._resident((name,))
             with self._lock:
@@ -594,7 +458,7 @@ class AdapterSet:
 
     def unpin(self, name):
         """Let ``name`` be evicted again (``KeyError`` if it is not resident)."""
-        _check_lookup_name(name)
+        check_lookup_name(name)
         with self._lock:
             if name not in self._installed:
                 raise KeyError(f"no adapter named {name!r} is installed")
@@ -613,7 +477,7 @@ class AdapterSet:
 
     def get(self, name):
         """The adapter under ``name``, loaded on first use (``KeyError`` if unknown)."""
-        _check_lookup_name(name)
+        check_lookup_name(name)
         return self._resident((name,))[name].adapter
 
     def stats(self):
@@ -700,7 +564,6 @@ class AdapterSet:
                 f"{what} must be a sequence of adapter names or None, "
                 f"got {type(unit_names).__name__}")
         names = tuple(unit_names)
-        n = len(names)
         for i, name in enumerate(names):
             if name is None:
                 continue
@@ -710,226 +573,7 @@ class AdapterSet:
                     f"got {type(name).__name__} ({name!r})")
         used = tuple(dict.fromkeys(n for n in names if n is not None))
         # the scales are checked before anything is loaded: a refused bind changes nothing
-        factors = _row_factors(scales, names, set(used).union(self._installed), what, unit)
+        factors = unit_factors(scales, names, set(used).union(self._installed), what, unit)
         # one snapshot holding every name (loaded on first use when a resolver knows it)
         installed = self._resident(used, what)
-
-        # Group the units by adapter, units with a zero factor left out.
-        grouped = {}
-        for i, name in enumerate(names):
-            if name is not None and factors[i] != 0.0:
-                grouped.setdefault(name, []).append(i)
-        parts = []
-        all_factors = np.asarray(factors, dtype=np.float64)
-        for name, idx in grouped.items():
-            entry = installed[name]
-            idx = np.asarray(idx, dtype=np.int64)
-            f = all_factors[idx]
-            if entry.exact and not (f == 1.0).all():
-                raise ValueError(
-                    f"adapter {name!r} has DoRA layers or saved modules (modules_to_save), which "
-                    f"are not linear in the scale: its {unit}s take scale 0 or 1, got "
-                    f"{sorted(set(f[f != 1.0].tolist()))[:3]}")
-            per_scale = {}
-            for s in entry.layer_scales:
-                group = _group_for_scale(name, s, idx, f, n)
-                if group is not None:
-                    per_scale[s] = group
-            parts.append((name, entry.adapter, per_scale))
-        return names, parts
-
-
-def _refuse_unknown(what, unknown, installed):
-    if unknown:
-        raise KeyError(
-            f"{what} names adapters that are not installed: {sorted(unknown)} "
-            f"(installed: {sorted(installed)})")
-
-
-def _row_factors(scales, row_names, known, what="row_adapters", unit="row"):
-    """One float per row (or sequence) from the ``scales`` argument of a bind.
-
-    ``known``: the names a scales mapping may name (the bind's own and the
-    resident ones).
-    """
-    n = len(row_names)
-    if scales is None:
-        return [1.0] * n
-    if isinstance(scales, Mapping):
-        per_name = {}
-        unknown = []
-        for key, value in scales.items():
-            if not isinstance(key, str):
-                raise TypeError(
-                    f"scales mapping keys must be adapter names (str), got "
-                    f"{type(key).__name__} ({key!r})")
-            if key not in known:
-                unknown.append(key)
-                continue
-            per_name[key] = _finite(value, f"scales[{key!r}]")
-        _refuse_unknown("scales", unknown, known)
-        return [1.0 if name is None else per_name.get(name, 1.0) for name in row_names]
-    if isinstance(scales, (numbers.Real, np.generic)) or (
-            isinstance(scales, np.ndarray) and scales.ndim == 0):
-        value = _finite(scales, "scales")
-        return [value] * n
-    if isinstance(scales, (str, bytes)) or not hasattr(scales, "__len__"):
-        raise TypeError(
-            f"scales must be None, a real number, a sequence of one per {unit} or a "
-            f"mapping name -> real, got {type(scales).__name__}")
-    if isinstance(scales, np.ndarray) and scales.ndim != 1:
-        raise ValueError(f"scales must be 1-D with one value per {unit}, got shape {scales.shape}")
-    values = scales.tolist() if isinstance(scales, np.ndarray) else list(scales)
-    if len(values) != n:
-        raise ValueError(
-            f"scales must have one value per {unit}: expected {n} (len({what})), "
-            f"got {len(values)}")
-    return [_finite(v, f"scales[{i}]") for i, v in enumerate(values)]
-
-
-def _group_for_scale(name, layer_scale, idx, factors, n_units):
-    """The ``(scale, unit indices, unit scales)`` of one adapter's units for kernels of one scale.
-
-    ``None`` when no unit has a non-zero effective scale.  The effective
-    scales are rounded to float32 (what the kernel uses) before the zero
-    test, so a row is never touched by a scale that rounds to zero.
-    """
-    with np.errstate(over="ignore", under="ignore"):
-        eff = (factors * layer_scale).astype(np.float32)
-    if not np.isfinite(eff).all():
-        raise ValueError(
-            f"the effective scale of adapter {name!r} (row scale x layer scale "
-            f"{layer_scale:g}) overflows float32 for some rows")
-    keep = eff != 0
-    if not keep.any():
-        return None
-    if not keep.all():
-        idx, eff = idx[keep], eff[keep]
-    idx_arr = None if len(idx) == n_units else idx.astype(np.int32)  # None: every unit
-    if (eff == eff[0]).all():
-        return (float(eff[0]), idx_arr, None)
-    return (1.0, idx_arr, eff)
-
-
-class _Bound(_rows.UnitGroups, LoraHook):
-    """What the hooks of :meth:`AdapterSet.bind` and ``bind_sequences`` share.
-
-    A snapshot of adapters grouped by unit (a row, or a sequence), immutable
-    and safe to apply from several threads.  For a projection, every row of a
-    unit bound to an adapter that covers it gets
-    ``effective_scale * B @ (A @ x)`` (+ the scaled bias) added, where
-    ``effective_scale`` is the layer's scale times the unit's factor; rows
-    bound to the same adapter are computed together.  Other rows are never
-    written.  It has no meaning for a lone row: :meth:`apply` raises
-    ``TypeError``.
-    """
-
-    __slots__ = ("_names", "_adapters")
-    _exact_rows = True
-
-    def __init__(self, *args, **kwargs):
-        raise TypeError(f"{type(self).__name__} is made by AdapterSet.bind or bind_sequences, "
-                        f"not constructed directly")
-
-    @classmethod
-    def _make(cls, names, parts):
-        self = _rows.UnitGroups.__new__(cls)
-        object.__setattr__(self, "_names", names)
-        object.__setattr__(self, "_adapters",
-                           MappingProxyType({name: adapter for name, adapter, _ in parts}))
-        self._set_units(parts, len(names), cls._exact_rows)
-        return self
-
-    def __setattr__(self, name, value):
-        raise AttributeError(f"{type(self).__name__} is immutable")
-
-    def __reduce__(self):
-        raise TypeError(f"a {type(self).__name__} belongs to one process and does not pickle; "
-                        f"pickle the adapters and bind again")
-
-    @property
-    def adapters(self):
-        """Read-only mapping name -> the adapter this hook applies (units with non-zero scale)."""
-        return self._adapters
-
-    # --- the hook contract -------------------------------------------------
-    # is_active comes from the core: true when some unit's adapter covers the
-    # projection with a non-zero scale.
-
-    def apply(self, layer_idx, module, x, output):
-        """Not supported: a bound hook is applied to whole batches only."""
-        raise TypeError(
-            "a bound AdapterSet hook has no meaning for a lone row: call "
-            "lorahook.apply_lora_rows(hook, layer_idx, module, input, output, "
-            "input_row_width, output_row_width) with the whole batch")
-
-    # --- geometry -----------------------------------------------------------
-
-    def validate_against(self, config):
-        """Check every adapter this hook applies against ``config``."""
-        for name in sorted(self._adapters):
-            self._adapters[name].validate_against(config)
-        return None
-
-    def validate_against_bert(self, num_hidden_layers, hidden_size, intermediate_size):
-        """The same check for a BERT encoder of these dimensions."""
-        for name in sorted(self._adapters):
-            self._adapters[name].validate_against_bert(
-                num_hidden_layers, hidden_size, intermediate_size)
-        return None
-
-
-class BoundBatch(_Bound):
-    """The hook :meth:`AdapterSet.bind` returns: one batch, one snapshot of adapters.
-
-    Pass it to :func:`~lorahook.apply_lora_rows` after each projection of
-    the batch it was bound for; a call with another row count raises
-    ``ValueError``.  See :class:`_Bound` for what it adds.
-    """
-
-    __slots__ = ()
-    _exact_rows = True
-
-    @property
-    def n_rows(self):
-        """The row count this batch was bound for."""
-        return len(self._names)
-
-    @property
-    def row_adapters(self):
-        """Per row, the adapter name or ``None`` (a tuple)."""
-        return self._names
-
-    def __repr__(self):
-        return f"BoundBatch({len(self._names)} rows, adapters {sorted(self._adapters)!r})"
-
-
-class BoundSequences(_Bound):
-    """The hook :meth:`AdapterSet.bind_sequences` returns: S sequences, any rows per sequence.
-
-    Serves every call whose row count is a multiple of the sequence count,
-    rows sequence-major (row ``r`` of ``n`` belongs to sequence
-    ``r // (n // S)``); otherwise as :class:`BoundBatch`.
-    """
-
-    __slots__ = ()
-    _exact_rows = False
-
-    @property
-    def n_rows(self):
-        """``None``: any multiple of :attr:`n_sequences` rows."""
-        return None
-
-    @property
-    def n_sequences(self):
-        """The number of sequences ``S``."""
-        return len(self._names)
-
-    @property
-    def seq_adapters(self):
-        """Per sequence, the adapter name or ``None`` (a tuple)."""
-        return self._names
-
-    def __repr__(self):
-        return (f"BoundSequences({len(self._names)} sequences, "
-                f"adapters {sorted(self._adapters)!r})")
+        return names, group_units(names, factors, installed, unit)
