@@ -44,6 +44,8 @@ import warnings
 import weakref
 from collections.abc import Mapping
 
+from ._values import describe, is_int
+
 __all__ = ["batch", "DONE", "Joined"]
 
 
@@ -78,16 +80,9 @@ class Joined(collections.namedtuple("Joined", ("names", "items", "left"))):
 _CHUNK, _END, _ERROR = 0, 1, 2
 
 
-def _found(value):
-    text = repr(value)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{type(value).__name__} ({text})"
-
-
 def _check_max_batch_size(value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"max_batch_size must be an int >= 1, found {_found(value)}")
+    if not is_int(value):
+        raise TypeError(f"max_batch_size must be an int >= 1, found {describe(value)}")
     if value < 1:
         raise ValueError(f"max_batch_size must be an int >= 1, found {value!r}")
     return int(value)
@@ -96,7 +91,7 @@ def _check_max_batch_size(value):
 def _check_batch_wait_timeout_s(value):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"batch_wait_timeout_s must be a finite number of seconds >= 0, found {_found(value)}")
+            f"batch_wait_timeout_s must be a finite number of seconds >= 0, found {describe(value)}")
     value = float(value)
     if not math.isfinite(value) or value < 0:
         raise ValueError(
@@ -107,7 +102,7 @@ def _check_batch_wait_timeout_s(value):
 def _check_max_adapters(value):
     if value is None:
         return None
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    if is_int(value):
         if value < 1:
             raise ValueError(
                 f"max_adapters must be None, an int >= 1 or a callable fits(frozenset) -> bool, "
@@ -117,7 +112,7 @@ def _check_max_adapters(value):
         return value
     raise TypeError(
         f"max_adapters must be None, an int >= 1 or a callable fits(frozenset) -> bool, "
-        f"found {_found(value)}")
+        f"found {describe(value)}")
 
 
 def _check_adapter_name(name):
@@ -125,7 +120,7 @@ def _check_adapter_name(name):
         return None
     if not isinstance(name, str):
         raise TypeError(
-            f"adapter_name must be a str or None (the base model), found {_found(name)}")
+            f"adapter_name must be a str or None (the base model), found {describe(name)}")
     if not name:
         raise ValueError(
             "adapter_name must be a non-empty str or None (the base model), found ''")
@@ -150,7 +145,7 @@ def _replica_max_ongoing_requests():
     except Exception:  # outside a replica Ray raises RayServeException
         return None
     value = getattr(getattr(context, "_deployment_config", None), "max_ongoing_requests", None)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         return None
     return int(value)
 
@@ -300,8 +295,8 @@ class _Queue:
                     continue
                 if not isinstance(fits, bool):
                     failed.append((call, TypeError(
-                        f"max_adapters callable {_found(rule)} must return a bool, "
-                        f"found {_found(fits)} for {set(candidate)!r}")))
+                        f"max_adapters callable {describe(rule)} must return a bool, "
+                        f"found {describe(fits)} for {set(candidate)!r}")))
                     continue
             if fits:
                 chosen.append(call)
@@ -312,7 +307,7 @@ class _Queue:
                 if isinstance(rule, int):
                     reason = f"max_adapters={rule}"
                 else:
-                    reason = f"max_adapters callable {_found(rule)} returned False for {{{name!r}}}"
+                    reason = f"max_adapters callable {describe(rule)} returned False for {{{name!r}}}"
                 failed.append((call, ValueError(
                     f"adapter {name!r} does not fit in a batch on its own ({reason}), "
                     f"so no batch can serve it")))
@@ -527,7 +522,7 @@ class _Batcher:
     def _check_step(self, step, expected, what):
         if isinstance(step, (str, bytes, bytearray, Mapping)) or not hasattr(step, "__len__"):
             raise TypeError(f"{self.qualname} must yield a list with one chunk (or DONE) "
-                            f"per item, found {_found(step)}")
+                            f"per item, found {describe(step)}")
         if len(step) != expected:
             raise ValueError(
                 f"{self.qualname} yielded {len(step)} chunks for a batch of {expected} "
@@ -612,7 +607,7 @@ class _Batcher:
             if isinstance(results, (str, bytes, bytearray, Mapping)) or not hasattr(results, "__len__"):
                 exc = TypeError(
                     f"{self.qualname} must return a list with one result per item, "
-                    f"found {_found(results)}")
+                    f"found {describe(results)}")
             elif len(results) != len(calls):
                 exc = ValueError(
                     f"{self.qualname} returned {len(results)} results for a batch of "
@@ -632,7 +627,7 @@ class _Batcher:
 
 def _decorate(func, max_batch_size, batch_wait_timeout_s, max_adapters, continuous=False):
     if not callable(func):
-        raise TypeError(f"batch decorates an 'async def' function, found {_found(func)}")
+        raise TypeError(f"batch decorates an 'async def' function, found {describe(func)}")
     if not inspect.iscoroutinefunction(func) and not inspect.isasyncgenfunction(func):
         raise TypeError(
             f"batch decorates an 'async def' function, found the regular function "
@@ -798,7 +793,7 @@ def batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_adapters=None, conti
                 "batch_wait_timeout_s=..., max_adapters=...) to set them")
         return _decorate(func, 16, 0.01, None)
     if not isinstance(continuous, bool):
-        raise TypeError(f"continuous must be True or False, found {_found(continuous)}")
+        raise TypeError(f"continuous must be True or False, found {describe(continuous)}")
     max_batch_size = _check_max_batch_size(max_batch_size)
     batch_wait_timeout_s = _check_batch_wait_timeout_s(batch_wait_timeout_s)
     max_adapters = _check_max_adapters(max_adapters)

@@ -3,14 +3,15 @@
 The one place that says what an integer argument is (:func:`is_int`: an
 ``Integral`` that is not a ``bool``), what a finite real is
 (:func:`finite_real`) and how a value is shown in an error message
-(:func:`describe`: its type and a bounded repr, never raising).
+(:func:`short`: a bounded repr; :func:`describe`: its type and that repr; neither
+ever raises).
 """
 import math
 import numbers
 
 import numpy as np
 
-__all__ = ["is_int", "describe", "finite_real"]
+__all__ = ["is_int", "short", "describe", "finite_real"]
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -20,21 +21,24 @@ def is_int(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def describe(value, limit=80):
-    """``"type (repr)"`` for an error message, the repr cut to ``limit`` characters.
+def short(value, limit=200):
+    """A bounded repr of ``value`` for an error message; never raises.
 
-    Never raises: a huge integer is described by its bit length, and a repr
-    that fails is replaced by a phrase.
+    A huge integer is given by its bit length, a repr that fails by a phrase,
+    and a long one is cut to ``limit`` characters.
     """
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() >= 1000:
-        return f"int (an integer of {value.bit_length()} bits)"
+        return f"an integer of {value.bit_length()} bits"
     try:
         text = repr(value)
     except Exception:
-        text = "a value that cannot be shown"
-    if len(text) > limit:
-        text = text[:limit - 3] + "..."
-    return f"{type(value).__name__} ({text})"
+        return f"a {type(value).__name__} that cannot be shown"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def describe(value, limit=80):
+    """``"type (bounded repr)"``: what an error message says it found."""
+    return f"{type(value).__name__} ({short(value, limit)})"
 
 
 def finite_real(value, what, *, float32=False, type_error=TypeError, value_error=ValueError):

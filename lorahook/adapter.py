@@ -5,13 +5,13 @@ applying it never re-checks its insides: :func:`lorahook.apply_lora_rows`
 only checks that the covering layer's ``(d_in, d_out)`` equals the call's
 row widths, then runs the compiled kernel with the GIL released.
 """
-import numbers
 from collections.abc import Mapping
 from types import MappingProxyType
 
 import numpy as np
 
 from . import _checks, _kernels, _rows, threads
+from ._values import is_int
 from .errors import LoraFormatError, LoraValidationError
 from .files import read_peft, read_safetensors_adapter, write_peft
 from .hook import LoraHook
@@ -151,11 +151,6 @@ class LoraLayer:
     is_dora = property(lambda self: self._magnitude is not None, doc="Whether this is a DoRA layer.")
     has_base = property(lambda self: self._dora is not None,
                         doc="Whether this DoRA layer has its base weight's terms (:meth:`with_base`).")
-
-    @property
-    def dora_factor(self):
-        """DoRA's per-row factor ``g = magnitude / ||W + scale * B @ A||`` (float32), or ``None``."""
-        return None if self._dora is None else self._dora[0]
 
     def with_base(self, weight, bias=None):
         """This DoRA layer with the terms of its base ``weight`` ``(d_out, d_in)`` and ``bias``.
@@ -299,7 +294,7 @@ def _check_key(key):
         if not isinstance(module, str) or not module:
             raise TypeError(f"module in key {key!r} must be a non-empty str")
         return (None, str(module))
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+    if not is_int(layer_idx):
         raise TypeError(f"layer_idx in key {key!r} must be an int, got {type(layer_idx).__name__}")
     if layer_idx < 0:
         raise ValueError(f"layer_idx in key {key!r} must be >= 0")
@@ -797,9 +792,9 @@ def _rebuild_adapter(cls, layers, name, metadata, module_paths, saved_modules=No
 
 
 def _base_lookup(weights):
-    """``key -> W | (W, b) | None`` from a mapping or a callable (``with_base``)."""
+    """``key -> W | (W, b) | None`` from a mapping or a callable of ``(layer_idx, module)``."""
     if callable(weights) and not isinstance(weights, Mapping):
-        return weights
+        return lambda key: weights(*key)
     if not isinstance(weights, Mapping):
         raise TypeError(f"base weights must be a mapping (layer_idx, module) -> W or (W, b), or a "
                         f"callable of (layer_idx, module), got {type(weights).__name__}")

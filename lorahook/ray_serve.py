@@ -51,7 +51,7 @@ import warnings
 import weakref
 
 from ._batching import DONE, Joined, batch
-from ._values import describe as _found, is_int
+from ._values import describe, is_int
 from .adapter import LoraAdapter
 from .adapter_set import AdapterSet
 from .resolver import Load, check_name, check_resolver, identity as resolver_identity, resolve
@@ -86,7 +86,7 @@ class AdapterLease:
 
 def _check_max_models(value):
     if not is_int(value):
-        raise TypeError(f"max_num_models_per_replica must be an int >= 1, found {_found(value)}")
+        raise TypeError(f"max_num_models_per_replica must be an int >= 1, found {describe(value)}")
     if value < 1:
         raise ValueError(
             f"max_num_models_per_replica must be an int >= 1 (Ray's -1, no limit, would report "
@@ -133,7 +133,7 @@ def multiplexed(adapters, max_num_models_per_replica):
     set) and ``load.routed()`` (the names Ray's list holds now, sorted).
     """
     if not isinstance(adapters, AdapterSet):
-        raise TypeError(f"adapters must be a lorahook.AdapterSet, found {_found(adapters)}")
+        raise TypeError(f"adapters must be a lorahook.AdapterSet, found {describe(adapters)}")
     max_models = _check_max_models(max_num_models_per_replica)
     leases = weakref.WeakValueDictionary()  # name -> the lease Ray's list holds
 
@@ -153,7 +153,7 @@ def multiplexed(adapters, max_num_models_per_replica):
         if not isinstance(model_id, str):
             raise TypeError(
                 f"the multiplexed model id must be an adapter name (str), '' or None (the base "
-                f"model), found {_found(model_id)}")
+                f"model), found {describe(model_id)}")
         if model_id not in adapters:
             # Raises for an unknown or broken adapter before Ray hears of it.
             await asyncio.to_thread(adapters.get, model_id)
@@ -372,7 +372,7 @@ class SharedResolver:
             raise value
         adapter = ray.get(value[0])
         if not isinstance(adapter, LoraAdapter):  # pragma: no cover - the actor only puts adapters
-            raise TypeError(f"shared_resolver {self._name!r} returned {_found(adapter)} for "
+            raise TypeError(f"shared_resolver {self._name!r} returned {describe(adapter)} for "
                             f"{name!r}; expected a LoraAdapter")
         return adapter
 

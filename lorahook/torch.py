@@ -268,7 +268,8 @@ def _base_weights(model, found):
     paths = {key: path for path, key in found.items()}
     cache = {}
 
-    def lookup(key):
+    def lookup(layer_idx, module):
+        key = (layer_idx, module)
         if key not in cache:
             path = paths.get(key)
             if path is None:
@@ -277,6 +278,24 @@ def _base_weights(model, found):
         return cache[key]
 
     return lookup
+
+
+def _check_fits(adapter, what, shapes, unsupported):
+    """Every layer and saved module of ``adapter`` has a hooked linear of its own shape.
+
+    ``shapes``: layer key -> the hooked linear's ``(in_features, out_features)``.
+    """
+    from .errors import LoraValidationError
+    parts = {**adapter.layers, **adapter.saved_modules}
+    for key in sorted(parts, key=key_order):
+        layer = parts[key]
+        if key not in shapes:
+            _refuse_unhooked(what, key, unsupported)
+        if (layer.d_in, layer.d_out) != shapes[key]:
+            raise LoraValidationError(
+                f"{what} layer {key[0]} module {key[1]!r} has (d_in, d_out) = "
+                f"{(layer.d_in, layer.d_out)}, but the model's linear is "
+                f"(in_features, out_features) = {shapes[key]}")
 
 
 def _refuse_unhooked(who, key, unsupported):
@@ -356,20 +375,10 @@ class AttachedHooks:
 
     def _bind(self, seq_adapters, scales):
         """Bind a selection and check every adapter it applies against the hooked linears."""
-        from .errors import LoraValidationError
         hook = self._adapter_set.bind_sequences(seq_adapters, scales)
         for name in sorted(hook.adapters):
-            adapter = hook.adapters[name]
-            parts = {**adapter.layers, **adapter.saved_modules}
-            for key in sorted(parts, key=key_order):
-                layer = parts[key]
-                if key not in self._shapes:
-                    _refuse_unhooked(f"adapter {name!r}", key, self._unsupported)
-                if (layer.d_in, layer.d_out) != self._shapes[key]:
-                    raise LoraValidationError(
-                        f"adapter {name!r} layer {key[0]} module {key[1]!r} has (d_in, d_out) = "
-                        f"{(layer.d_in, layer.d_out)}, but the model's linear is "
-                        f"(in_features, out_features) = {self._shapes[key]}")
+            _check_fits(hook.adapters[name], f"adapter {name!r}", self._shapes,
+                        self._unsupported)
         return hook
 
     def remove(self):
@@ -500,7 +509,6 @@ def attach(model, hook, *, mapping=None):
     from torch import nn
 
     from .adapter import LoraAdapter
-    from .errors import LoraValidationError
     from .adapter_set import AdapterSet
 
     adapter_set = hook if isinstance(hook, AdapterSet) else None
@@ -514,16 +522,7 @@ def attach(model, hook, *, mapping=None):
     found, unsupported = _linears(model, resolve)
     if isinstance(hook, LoraAdapter):
         shapes = {k: _shape(model.get_submodule(p)) for p, k in found.items()}
-        parts = {**hook.layers, **hook.saved_modules}
-        for key in sorted(parts, key=key_order):
-            layer = parts[key]
-            if key not in shapes:
-                _refuse_unhooked("adapter", key, unsupported)
-            if (layer.d_in, layer.d_out) != shapes[key]:
-                raise LoraValidationError(
-                    f"adapter layer {key[0]} module {key[1]!r} has (d_in, d_out) = "
-                    f"{(layer.d_in, layer.d_out)}, but the model's linear is "
-                    f"(in_features, out_features) = {shapes[key]}")
+        _check_fits(hook, "adapter", shapes, unsupported)
         found = {p: k for p, k in found.items() if hook.is_active(*k)}
         if hook.needs_base:  # DoRA layers get the model's own weights
             hook = hook.with_base(_base_weights(model, found))

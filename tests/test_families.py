@@ -116,7 +116,7 @@ def test_moe_families_refused_by_name():
 
 
 def test_unknown_model_type_refused_by_name():
-    with pytest.raises(LoraValidationError, match="unsupported model_type str 'gpt2'"):
+    with pytest.raises(LoraValidationError, match=r"unsupported model_type str \('gpt2'\)"):
         load_model_config({"model_type": "gpt2"})
     with pytest.raises(LoraValidationError, match="'model_type' is missing"):
         load_model_config({"hidden_size": 8})

@@ -165,7 +165,12 @@ def test_with_base_errors_and_nbytes(rng):
         adapter.with_base({(0, "q"): w.T})
     with pytest.raises(KeyError, match="no base weight"):
         adapter.with_base({})
-    based = adapter.with_base(lambda key: (w, bias))
+    # the callable is called as documented, with (layer_idx, module)
+    asked = []
+    based = adapter.with_base(lambda layer_idx, module: asked.append((layer_idx, module)) or (w, bias))
+    assert asked == [(0, "q")]
+    with pytest.raises(KeyError, match=r"no base weight for DoRA layer \(0, 'q'\)"):
+        adapter.with_base(lambda layer_idx, module: None)
     # g, (1 - g) b and g*B^T are kept beside a, B^T and the magnitude
     assert based.nbytes == adapter.nbytes + 4 * (16 + 16 + 3 * 16)
     again = pickle.loads(pickle.dumps(based, protocol=5))

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import LoraFormatError
 from .._values import finite_real
-from .safetensors_file import is_int, short
+from .._values import is_int, short
 
 __all__ = ["PeftLoraConfig", "CONFIG_NAME", "pattern_lookup", "check_scale", "finite_number"]
 

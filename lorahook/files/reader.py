@@ -29,7 +29,8 @@ import numpy as np
 from ..errors import LoraFormatError
 from ..models import EMBEDDING_MODULES, PEFT_PREFIX, module_key, place
 from .peft_config import CONFIG_NAME, PeftLoraConfig, check_scale, finite_number
-from .safetensors_file import SafetensorsFile, kept_derived, short
+from .._values import short
+from .safetensors_file import SafetensorsFile, kept_derived
 
 __all__ = ["read_peft", "read_safetensors_adapter", "AdapterData", "LayerData",
            "WEIGHTS_NAME", "PICKLE_NAMES"]

@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import _load
 
+from .._values import short
 from ..errors import LoraFormatError
 
 __all__ = ["SafetensorsFile", "read_safetensors_header", "read_safetensors", "read_float32",
@@ -55,21 +56,6 @@ SUPPORTED_DTYPES = ("F32", "F16", "BF16")
 _MAX_DIM = 2**31 - 1
 # Up to this many dimensions, a refusal states the exact byte count a shape needs.
 _EXACT_DIMS = 8
-
-def is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def short(value: Any) -> str:
-    """A bounded-length repr (never raises for huge integers)."""
-    if isinstance(value, int) and value.bit_length() >= 1000:
-        return f"an integer of {value.bit_length()} bits"
-    try:
-        text = repr(value)
-    except (ValueError, RecursionError):
-        text = f"a {type(value).__name__} too large to show"
-    return text if len(text) <= 200 else text[:200] + "..."
-
 
 def _reject_duplicate_keys(pairs):
     """A JSON object as a dict; a key given twice (at any depth) is a ValueError naming it."""

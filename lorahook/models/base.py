@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import abc
 import json
-import numbers
 import os
 from collections.abc import Mapping
 from typing import Any, Tuple
 
+from .._values import describe, is_int
 from ..errors import LoraValidationError
 
 __all__ = ["ModelGeometry", "read_json_config", "EMBEDDING_MODULES", "model_level_fields"]
@@ -96,14 +96,6 @@ class ModelGeometry(abc.ABC):
 # --------------------------------------------------------------------------- helpers
 
 
-def describe_value(value: Any) -> str:
-    """A short description of a value for error messages: its type and repr."""
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{type(value).__name__} {text}"
-
-
 def positive_int(value: Any, field: str, where: str) -> int:
     """``value`` as a plain ``int`` if it is an integer > 0, else raise.
 
@@ -111,9 +103,9 @@ def positive_int(value: Any, field: str, where: str) -> int:
     integral values (``1024.0``): a size written as anything but an integer is a sign
     of a damaged or hand-edited file.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise LoraValidationError(
-            f"{where}: field '{field}' must be a positive integer, found {describe_value(value)}"
+            f"{where}: field '{field}' must be a positive integer, found {describe(value)}"
         )
     value = int(value)
     if value <= 0:
@@ -168,19 +160,40 @@ def decoder_model_shapes(hidden: int, vocab: Any, labels: Any) -> dict:
     }
 
 
+def nested_text_config(config: Mapping, where: str, note: str, text_types: Tuple[str, ...]) -> Mapping:
+    """The ``text_config`` object of a multimodal config, which keeps the text model's fields.
+
+    Refused when it is missing (``note`` says why the field is required), not
+    an object, or has a ``model_type`` outside ``text_types``.
+    """
+    text = config.get("text_config")
+    if text is None:
+        raise LoraValidationError(f"{where}: required field 'text_config' is missing ({note})")
+    if not isinstance(text, Mapping):
+        raise LoraValidationError(
+            f"{where}: field 'text_config' must be an object, found {describe(text)}")
+    text_type = text.get("model_type")
+    if text_type is not None and text_type not in text_types:
+        expected = repr(text_types[0]) if len(text_types) == 1 else "one of " + ", ".join(text_types)
+        raise LoraValidationError(
+            f"{where}: field 'text_config.model_type' must be {expected}, found "
+            f"{describe(text_type)}")
+    return text
+
+
 def check_bool(value: Any, field: str, where: str) -> bool:
     if not isinstance(value, bool):
         raise LoraValidationError(
-            f"{where}: field '{field}' must be true or false, found {describe_value(value)}"
+            f"{where}: field '{field}' must be true or false, found {describe(value)}"
         )
     return value
 
 
 def check_layer_index(layer_idx: Any, num_layers: int, module: Any, where: str) -> int:
     """``layer_idx`` as an int in ``range(num_layers)``; ``TypeError`` / ``LoraValidationError``."""
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+    if not is_int(layer_idx):
         raise TypeError(
-            f"{where}: layer index must be an int, found {describe_value(layer_idx)}"
+            f"{where}: layer index must be an int, found {describe(layer_idx)}"
             + ("" if module is None else f" (module {module!r})")
         )
     layer_idx = int(layer_idx)
@@ -196,21 +209,21 @@ def check_layer_index(layer_idx: Any, num_layers: int, module: Any, where: str) 
 def check_module_type(module: Any, layer_idx: Any, where: str) -> str:
     if not isinstance(module, str):
         raise TypeError(
-            f"{where}: module name must be a str, found {describe_value(module)} (layer {layer_idx})"
+            f"{where}: module name must be a str, found {describe(module)} (layer {layer_idx})"
         )
     return module
 
 
 def check_mapping(config: Any, where: str) -> Mapping:
     if not isinstance(config, Mapping):
-        raise TypeError(f"{where}: expected a mapping (a parsed config.json), found {describe_value(config)}")
+        raise TypeError(f"{where}: expected a mapping (a parsed config.json), found {describe(config)}")
     return config
 
 
 def read_json_config(path: Any) -> dict:
     """Read a ``config.json`` (or the ``config.json`` inside a model directory)."""
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"config path must be a str or os.PathLike, found {describe_value(path)}")
+        raise TypeError(f"config path must be a str or os.PathLike, found {describe(path)}")
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")

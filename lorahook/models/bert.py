@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
+from .._values import describe
 from ..errors import LoraValidationError
 from .base import (
     ModelGeometry,
@@ -21,7 +22,6 @@ from .base import (
     check_model_level,
     check_module_type,
     model_level_fields,
-    describe_value,
     positive_int,
     read_json_config,
     required_positive_int,
@@ -92,7 +92,7 @@ class BertConfig(ModelGeometry):
         model_type = config.get("model_type")
         if model_type is not None and model_type != "bert":
             raise LoraValidationError(
-                f"{where}: field 'model_type' must be 'bert', found {describe_value(model_type)}"
+                f"{where}: field 'model_type' must be 'bert', found {describe(model_type)}"
             )
         return cls(
             **{

@@ -42,15 +42,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, Optional, Tuple
 
+from .._values import describe
 from ..errors import LoraValidationError
 from .base import (
+    nested_text_config,
     ModelGeometry,
     check_layer_index,
     check_module_type,
     check_mapping,
     check_model_level,
     decoder_model_shapes,
-    describe_value,
     model_level_fields,
     positive_int,
     read_json_config,
@@ -164,7 +165,7 @@ class _DecoderConfig(ModelGeometry):
         if model_type is not None and model_type not in cls.MODEL_TYPES:
             raise LoraValidationError(
                 f"{where}: field 'model_type' must be {' or '.join(map(repr, cls.MODEL_TYPES))}, "
-                f"found {describe_value(model_type)}"
+                f"found {describe(model_type)}"
             )
         return config, ""
 
@@ -416,23 +417,9 @@ class Gemma3TextConfig(_DecoderConfig):
         nested = model_type == "gemma3" or (model_type is None and "text_config" in config)
         if not nested:
             return super()._text_fields(config, where)
-        text = config.get("text_config")
-        if text is None:
-            raise LoraValidationError(
-                f"{where}: required field 'text_config' is missing (model_type 'gemma3' keeps the "
-                f"text model's fields under text_config; transformers would use the defaults of "
-                f"one checkpoint)"
-            )
-        if not isinstance(text, Mapping):
-            raise LoraValidationError(
-                f"{where}: field 'text_config' must be an object, found {describe_value(text)}"
-            )
-        text_type = text.get("model_type")
-        if text_type is not None and text_type != "gemma3_text":
-            raise LoraValidationError(
-                f"{where}: field 'text_config.model_type' must be 'gemma3_text', found "
-                f"{describe_value(text_type)}"
-            )
+        text = nested_text_config(
+            config, where, "model_type 'gemma3' keeps the text model's fields under text_config; "
+            "transformers would use the defaults of one checkpoint", ("gemma3_text",))
         # transformers wrote text_config without the fields equal to Gemma3TextConfig's
         # defaults and reads them back from those defaults; so does lorahook.
         return {**cls.NESTED_DEFAULTS, **text}, "text_config."

@@ -13,8 +13,9 @@ import os
 from collections.abc import Mapping
 from typing import Any, Dict, Optional, Tuple
 
+from .._values import describe
 from ..errors import LoraFormatError, LoraValidationError
-from .base import ModelGeometry, describe_value, read_json_config
+from .base import ModelGeometry, read_json_config
 from .bert import BERT_PATHS, BertConfig
 from .decoders import DECODER_CLASSES
 from .paths import PEFT_PREFIX, PathRules
@@ -91,7 +92,7 @@ def config_class(model_type: str) -> type:
             f"accepted is Qwen3.5-MoE, attention projections only)"
         )
     raise LoraValidationError(
-        f"unsupported model_type {describe_value(model_type)}; expected one of "
+        f"unsupported model_type {describe(model_type)}; expected one of "
         f"{', '.join(MODEL_TYPES)}"
     )
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Dict, Tuple
 
+from .._values import describe, is_int
 from ..errors import LoraValidationError
-from .base import ModelGeometry, check_layer_index, check_module_type, describe_value
+from .base import ModelGeometry, check_layer_index, check_module_type
 
 __all__ = ["MeasuredGeometry"]
 
@@ -27,17 +27,14 @@ class MeasuredGeometry(ModelGeometry):
         checked: Dict[Tuple[int, str], Tuple[int, int]] = {}
         for key, shape in dict(shapes).items():
             if not (isinstance(key, tuple) and len(key) == 2):
-                raise TypeError(f"{name}: keys must be (layer_idx, module) tuples, found {describe_value(key)}")
+                raise TypeError(f"{name}: keys must be (layer_idx, module) tuples, found {describe(key)}")
             layer_idx, module = key
-            if layer_idx is not None and (isinstance(layer_idx, bool)
-                                          or not isinstance(layer_idx, numbers.Integral)
-                                          or layer_idx < 0):
+            if layer_idx is not None and (not is_int(layer_idx) or layer_idx < 0):
                 raise TypeError(f"{name}: layer index in key {key!r} must be an int >= 0 or None")
             if not isinstance(module, str) or not module:
                 raise TypeError(f"{name}: module in key {key!r} must be a non-empty str")
             shape = tuple(shape)
-            if len(shape) != 2 or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool)
-                                          and d > 0 for d in shape):
+            if len(shape) != 2 or not all(is_int(d) and d > 0 for d in shape):
                 raise ValueError(f"{name}: shape for {key!r} must be (d_in, d_out) positive ints, "
                                  f"found {shape!r}")
             checked[(None if layer_idx is None else int(layer_idx), module)] = (

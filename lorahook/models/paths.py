@@ -73,11 +73,6 @@ class PathRules:
         object.__setattr__(self, "_model_by_path", by_path)
 
     @property
-    def model_paths(self) -> Mapping[str, str]:
-        """Every model-level path read: path -> module."""
-        return self._model_by_path
-
-    @property
     def roots(self) -> Tuple[str, ...]:
         """Every layer root accepted when reading: the layouts' roots, then ``read_roots``."""
         out: Dict[str, None] = dict.fromkeys(self.layouts.values())

@@ -38,8 +38,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
+from .._values import describe
 from ..errors import LoraValidationError
 from .base import (
+    nested_text_config,
     ModelGeometry,
     check_bool,
     check_layer_index,
@@ -48,7 +50,6 @@ from .base import (
     model_level_fields,
     check_mapping,
     check_module_type,
-    describe_value,
     positive_int,
     read_json_config,
     required_positive_int,
@@ -147,7 +148,7 @@ def _normalize_layer_types(
     if isinstance(layer_types, (str, bytes)) or not isinstance(layer_types, (list, tuple)):
         raise LoraValidationError(
             f"{where}: field '{field}' must be a list of layer type names, "
-            f"found {describe_value(layer_types)}"
+            f"found {describe(layer_types)}"
         )
     if len(layer_types) != num_hidden_layers:
         raise LoraValidationError(
@@ -162,7 +163,7 @@ def _normalize_layer_types(
             raise LoraValidationError(
                 f"{where}: field '{field}[{i}]' must be one of 'full_attention', "
                 f"'linear_attention' (or the legacy 'attention', 'mamba'), "
-                f"found {describe_value(layer_types[i])}"
+                f"found {describe(layer_types[i])}"
             )
         normalized.append(name)
     return tuple(normalized)
@@ -221,7 +222,7 @@ def _validated_qwen35_fields(
             raise LoraValidationError(
                 f"{where}: field '{prefix}intermediate_size' must be None for a "
                 f"mixture-of-experts model (it has no dense MLP), found "
-                f"{describe_value(values['intermediate_size'])}"
+                f"{describe(values['intermediate_size'])}"
             )
         out["intermediate_size"] = None
     else:
@@ -326,30 +327,18 @@ class Qwen35Config(ModelGeometry):
         if model_type is not None and model_type not in QWEN35_MODEL_TYPES:
             raise LoraValidationError(
                 f"{where}: field 'model_type' must be one of {', '.join(QWEN35_MODEL_TYPES)}, "
-                f"found {describe_value(model_type)}"
+                f"found {describe(model_type)}"
             )
 
         nested = model_type in _NESTED_MODEL_TYPES or (
             model_type is None and "text_config" in config
         )
         if nested:
-            text = config.get("text_config")
-            if text is None:
-                raise LoraValidationError(
-                    f"{where}: required field 'text_config' is missing (model_type "
-                    f"{model_type!r} keeps the text model's fields under text_config)"
-                )
-            if not isinstance(text, Mapping):
-                raise LoraValidationError(
-                    f"{where}: field 'text_config' must be an object, found {describe_value(text)}"
-                )
+            text = nested_text_config(
+                config, where, f"model_type {model_type!r} keeps the text model's fields under "
+                f"text_config", _FLAT_MODEL_TYPES)
             prefix = "text_config."
             text_model_type = text.get("model_type")
-            if text_model_type is not None and text_model_type not in _FLAT_MODEL_TYPES:
-                raise LoraValidationError(
-                    f"{where}: field 'text_config.model_type' must be one of "
-                    f"{', '.join(_FLAT_MODEL_TYPES)}, found {describe_value(text_model_type)}"
-                )
             if model_type is not None and text_model_type is not None:
                 if text_model_type != model_type + "_text":
                     raise LoraValidationError(
