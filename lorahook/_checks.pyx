@@ -1,10 +1,13 @@
 # cython: language_level=3
 """The call checks of the compiled core, run with the GIL before any kernel.
 
-Every entry point into the kernels checks its buffers here first, in the
-order SPEC section 1 gives, so that a failed check raises before anything is
-written and every message names the argument, what was expected and what was
-found.  ``TypeError`` for types and dtypes (and non-integer widths),
+Every entry point into the kernels checks its buffers here first, in this
+order: the hook's type; the input's and output's types and dtype; ndim,
+contiguity and the output's writability; both widths are ints > 0; each
+buffer holds whole rows of its width; the row counts match; a bound hook's
+row count; the buffers do not overlap.  A failed check raises before anything
+is written, and every message names the argument, what was expected and what
+was found.  ``TypeError`` for types and dtypes (and non-integer widths),
 ``ValueError`` for ndim, contiguity, writability, widths, row counts and
 overlapping buffers.
 """

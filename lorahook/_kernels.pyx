@@ -20,8 +20,11 @@ released; this module starts no thread.  Different paths may differ in the
 last bits of float32 rounding: a row's result can depend on the batch it was
 computed in.
 
-The only way in is :c:func:`run_segments` (and :c:func:`run_layer` over it),
-on buffers the caller has checked with ``lorahook._checks``.
+Every way in takes buffers the caller has checked with ``lorahook._checks``:
+:c:func:`run_segments` (rows of a linear projection) and
+:c:func:`run_embedding_segments` (embedding ids) run the kernels; over them,
+:c:func:`run_layer` (one layer), :meth:`GroupPlan.run` / ``run_ids`` (a bound
+batch's groups) and, from Python, :func:`apply_layer` (which checks first).
 """
 cimport cython
 cimport numpy as cnp
@@ -641,8 +644,8 @@ cdef int run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.nda
                       int d_in, int d_out, int kind) except -1:
     """Run segments one after the other on checked buffers, with the GIL released.
 
-    The one way into the kernels.  Segments run in order on the calling
-    thread, so two updates of one row never race.
+    Every linear path into the kernels ends here.  Segments run in order on
+    the calling thread, so two updates of one row never race.
     """
     global _batched_seen
     cdef Py_ssize_t g, crossover = _gemm_crossover

@@ -99,7 +99,7 @@ def test_bound_batch_plan_is_reused_and_still_checks_widths():
 
 
 def test_a_registered_virtual_subclass_gets_one_apply_per_row():
-    # SPEC section 7: anything isinstance(h, LoraHook) accepts is a hook; a
+    # the LoraHook docstring: anything isinstance(h, LoraHook) accepts is a hook; a
     # registered class takes the generic per-row path
     from lorahook import LoraHook
 

@@ -1,4 +1,4 @@
-"""SPEC section 7's loose ends: pickling, zero-row widths, overlapping buffers, all-or-nothing merges.
+"""The host contract's loose ends: pickling, zero-row widths, overlapping buffers, all-or-nothing merges.
 
 Every accepted result is checked against a float64 numpy reference; every
 refusal is checked to have written nothing.

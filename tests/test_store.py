@@ -1,4 +1,4 @@
-"""AdapterSet in bounded memory (SPEC section 9): capacity, LRU eviction, pinning, resolvers.
+"""AdapterSet in bounded memory (AdapterSet's docstring): capacity, LRU eviction, pinning, resolvers.
 
 Six small adapters are written as PEFT directories; the set has room for
 three.  Every applied result is checked against a float64 numpy reference of

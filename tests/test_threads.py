@@ -1,4 +1,4 @@
-"""lorahook.threads and SPEC section 7: nothing process-wide at import, one opt-in setting.
+"""lorahook.threads, and lorahook as a guest in the host process: nothing process-wide at import, one opt-in setting.
 
 The process-wide checks run in fresh interpreters, so that nothing another
 test did (a configure call, an earlier warning) can hide a side effect.

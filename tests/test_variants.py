@@ -128,7 +128,7 @@ def test_dora_rows_equal_float64_in_float32_and_half(rng, n):
     out = y.astype(np.float32)
     lorahook.apply_lora_rows(based, 0, "q", x.astype(np.float32), out)
     close(out, ref)
-    # float16 rows: the formula in float64 on the rounded rows, then one rounding (SPEC 11)
+    # float16 rows: the formula in float64 on the rounded rows, then one rounding (apply_lora_rows' docstring)
     x16, y16 = x.astype(np.float16), y.astype(np.float16)
     out16 = y16.copy()
     lorahook.apply_lora_rows(based, 0, "q", x16, out16)

@@ -1,4 +1,4 @@
-"""lorahook.torch on bfloat16 and float16 models (SPEC section 11): no copies, no model.float().
+"""lorahook.torch on bfloat16 and float16 models (README: Half precision): no copies, no model.float().
 
 A half-precision ``nn.Linear`` through ``attach``: each output must be within
 one unit in the last place of the model's dtype of the float64 result (the

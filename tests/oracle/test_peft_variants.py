@@ -198,7 +198,7 @@ def test_dora_layer_equals_a_float64_reference_checked_against_peft():
     bias = base.bias.detach().numpy().astype(np.float64)
     scale = 2.0
     x = np.random.default_rng(0).standard_normal((5, 24))
-    # the formula of SPEC 14 in float64
+    # DoRA's formula (LoraLayer's docstring) in float64
     g = m / np.linalg.norm(w + scale * b @ a, axis=1)
     y = x @ w.T + bias
     ref = y + (g - 1) * (y - bias) + g * (scale * (x @ a.T) @ b.T)

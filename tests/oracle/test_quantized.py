@@ -1,4 +1,4 @@
-"""LoRA on quantized bases (SPEC section 13): torchao, bitsandbytes, optimum-quanto, torch dynamic.
+"""LoRA on quantized bases (README: Quantized models): torchao, bitsandbytes, optimum-quanto, torch dynamic.
 
 A small random Llama is quantized by each library on the CPU.  Two adapters
 are made by PEFT (``init_lora_weights=False``) on the float model and read

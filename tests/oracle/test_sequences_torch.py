@@ -1,4 +1,4 @@
-"""attach(model, AdapterSet).sequences(...) against PEFT's mixed batches (SPEC section 8).
+"""attach(model, AdapterSet).sequences(...) against PEFT's mixed batches (README: One hook for a whole generation loop).
 
 Three adapters are made by PEFT itself (``init_lora_weights=False``: non-zero
 random A and B; different ranks, one rsLoRA; attention, linear-attention and
