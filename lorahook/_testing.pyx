@@ -4,11 +4,13 @@
 Nothing in the package calls these; they expose kernels and conversions in
 shapes a test or a timing loop needs (a list of groups applied at once, a
 conversion repeated without a Python call per pass, the state of the vector
-registers after a conversion).
+registers after a conversion, the row-major BLAS helpers of ``_blas.pxd``
+called on numpy arrays).
 """
 cimport numpy as cnp
 from libc.stdint cimport uint16_t
 
+from lorahook cimport _blas
 from lorahook._checks cimport check_buffers
 from lorahook._halfconv cimport half_array, half_kind, narrow_n, widen_n
 from lorahook._kernels cimport GroupPlan
@@ -131,3 +133,72 @@ def half_upper_state_after(kind):
                                       <uint16_t *>cnp.PyArray_DATA(h),
                                       <float *>cnp.PyArray_DATA(w), 100, k)
     return None if r < 0 else bool(r)
+
+
+# --------------------------------------------------------------------------- the BLAS shim
+
+
+cdef int _row_stride(cnp.ndarray a, str name) except -1:
+    """The row stride, in values, of a 2-D float32 matrix whose rows are contiguous."""
+    if a.dtype != np.float32 or a.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D float32 array, got {a.dtype} with {a.ndim} dims")
+    if a.shape[1] > 1 and a.strides[1] != 4:
+        raise ValueError(f"{name}'s rows must be contiguous (stride 4 bytes), got {a.strides[1]}")
+    if a.shape[0] <= 1:
+        return max(1, a.shape[1])
+    if a.strides[0] % 4 or a.strides[0] // 4 < a.shape[1]:
+        raise ValueError(f"{name}'s row stride must be a multiple of 4 bytes covering a row, "
+                         f"got {a.strides[0]}")
+    return a.strides[0] // 4
+
+
+cdef float *_vector(cnp.ndarray v, Py_ssize_t n, str name, bint write) except NULL:
+    if v.dtype != np.float32 or v.ndim != 1 or v.shape[0] != n or not v.flags.c_contiguous:
+        raise ValueError(f"{name} must be a contiguous float32 vector of {n} values")
+    if write and not v.flags.writeable:
+        raise ValueError(f"{name} must be writable")
+    return <float *>cnp.PyArray_DATA(v)
+
+
+def blas_gemv(bint trans, float alpha, cnp.ndarray a not None, cnp.ndarray x not None,
+              float beta, cnp.ndarray y not None):
+    """``y = alpha * op(a) @ x + beta * y`` through ``_blas.gemv`` (``a`` row-major, any row stride)."""
+    cdef int lda = _row_stride(a, "a")
+    cdef int m = a.shape[0], n = a.shape[1]
+    cdef float *xp = _vector(x, m if trans else n, "x", False)
+    cdef float *yp = _vector(y, n if trans else m, "y", True)
+    with nogil:
+        _blas.gemv(trans, m, n, alpha, <const float *>cnp.PyArray_DATA(a), lda, xp, beta, yp)
+
+
+def blas_gemm(bint trans_a, bint trans_b, float alpha, cnp.ndarray a not None,
+              cnp.ndarray b not None, float beta, cnp.ndarray c not None):
+    """``c = alpha * op(a) @ op(b) + beta * c`` through ``_blas.gemm``, every matrix row-major."""
+    cdef int lda = _row_stride(a, "a"), ldb = _row_stride(b, "b"), ldc = _row_stride(c, "c")
+    cdef int m = c.shape[0], n = c.shape[1]
+    cdef int k = a.shape[0] if trans_a else a.shape[1]
+    if (a.shape[1] if trans_a else a.shape[0]) != m:
+        raise ValueError(f"op(a) must have {m} rows, got shape {(<object>a).shape} (trans_a={trans_a})")
+    if ((b.shape[1], b.shape[0]) if trans_b else (b.shape[0], b.shape[1])) != (k, n):
+        raise ValueError(f"op(b) must be ({k}, {n}), got shape {(<object>b).shape} (trans_b={trans_b})")
+    if not c.flags.writeable:
+        raise ValueError("c must be writable")
+    with nogil:
+        _blas.gemm(trans_a, trans_b, m, n, k, alpha, <const float *>cnp.PyArray_DATA(a), lda,
+                   <const float *>cnp.PyArray_DATA(b), ldb, beta,
+                   <float *>cnp.PyArray_DATA(c), ldc)
+
+
+def blas_axpy(float alpha, cnp.ndarray x not None, cnp.ndarray y not None):
+    """``y += alpha * x`` through ``_blas.axpy``."""
+    cdef float *xp = _vector(x, x.shape[0] if x.ndim == 1 else -1, "x", False)
+    cdef float *yp = _vector(y, x.shape[0], "y", True)
+    with nogil:
+        _blas.axpy(<int>x.shape[0], alpha, xp, yp)
+
+
+def blas_scal(float alpha, cnp.ndarray x not None):
+    """``x *= alpha`` through ``_blas.scal``."""
+    cdef float *xp = _vector(x, x.shape[0] if x.ndim == 1 else -1, "x", True)
+    with nogil:
+        _blas.scal(<int>x.shape[0], alpha, xp)

@@ -1,4 +1,4 @@
-"""Native adapters: :class:`LoraLayer`, :class:`LoraAdapter`, :func:`blend`.
+"""Native adapters: :class:`LoraAdapter` and :func:`blend` (layers are :mod:`lorahook.layer`).
 
 An adapter is immutable data validated once at construction, so that
 applying it never re-checks its insides: :func:`lorahook.apply_lora_rows`
@@ -16,9 +16,8 @@ from .errors import LoraFormatError, LoraValidationError
 from .files import read_peft, read_safetensors_adapter, write_peft
 from .hook import LoraHook
 from .models import EMBEDDING_MODULES, BertConfig, ModelGeometry
-from ._arrays import (_FLOAT32, _WEIGHT_DTYPES, _adoptable, _as_float32, _check_bias_shape,
-                      _check_factor_shapes, _dora_terms, _finite_scale, _owned_float32,
-                      _rounded, _weight_dtype)
+from ._arrays import _as_float32, _finite_scale, _weight_dtype
+from .layer import LoraLayer, _check_variant
 from .saved_module import SavedModule
 
 __all__ = ["LoraLayer", "LoraAdapter", "SavedModule", "blend", "key_order"]
@@ -30,259 +29,7 @@ def key_order(key):
     return (layer_idx is None, -1 if layer_idx is None else layer_idx, module)
 
 
-class LoraLayer:
-    """One projection's LoRA update: ``delta(x) = scale * (B @ (A @ x) + bias)``.
-
-    ``a`` is ``(rank, d_in)``, ``b`` is ``(d_out, rank)`` (the PEFT layout of
-    ``lora_A.weight`` / ``lora_B.weight``), ``bias`` an optional ``(d_out,)``
-    vector (PEFT's ``lora_bias``, scaled like the product).  Each array is
-    copied once into a float32 array the layer owns, marked read-only.  ``B``
-    is kept in one layout only, ``B^T`` row-major, which is what the kernels
-    read: :attr:`b` is a read-only ``(d_out, rank)`` view of it (F-contiguous),
-    so the layer holds each value once (:attr:`nbytes`).  Rank 0 (without
-    bias) is allowed and applies nothing.
-
-    ``embedding=True`` makes it PEFT's embedding LoRA (``lora_embedding_A``
-    ``(rank, num_embeddings)`` as ``a``, ``lora_embedding_B``
-    ``(embedding_dim, rank)`` as ``b``), applied with
-    :func:`lorahook.apply_lora_embedding`: row ``i`` gets ``scale * B @
-    A[:, i]``; it has no bias and no DoRA.
-
-    ``magnitude`` (a ``(d_out,)`` vector, PEFT's ``lora_magnitude_vector``)
-    makes it a DoRA layer: with base weight ``W`` and base bias ``b``, each
-    output row ``y`` (the base output, bias included) becomes ``y + (g - 1) *
-    (y - b) + g * scale * B @ (A @ x)`` where ``g = magnitude / ||W + scale
-    * B @ A||`` (per output row).  A DoRA layer needs its base weight once:
-    :meth:`with_base` returns the layer that applies; applying one without
-    it raises ``ValueError`` before anything is written.
-    """
-
-    __slots__ = ("_a", "_bt", "_scale", "_bias", "_kernel", "_embedding", "_magnitude", "_dora")
-
-    def __init__(self, a, b, scale=1.0, bias=None, *, magnitude=None, embedding=False):
-        a = _owned_float32(a, "a", 2)
-        b = _owned_float32(b, "b", 2, transpose=True)  # stored as B^T
-        scale = _finite_scale(scale, "scale")
-        _check_factor_shapes(a, b)
-        if bias is not None:
-            bias = _owned_float32(bias, "bias", 1)
-            _check_bias_shape(a, b, bias)
-        embedding = bool(embedding)
-        if magnitude is not None:
-            magnitude = _owned_float32(magnitude, "magnitude", 1)
-        _check_variant(a, b, bias, embedding, magnitude)
-        self._init(a, b, scale, bias, embedding, magnitude, None)
-
-    def _init(self, a, bt, scale, bias, embedding=False, magnitude=None, dora=None):
-        object.__setattr__(self, "_a", a)
-        object.__setattr__(self, "_bt", bt)
-        object.__setattr__(self, "_scale", scale)
-        object.__setattr__(self, "_bias", bias)
-        object.__setattr__(self, "_embedding", embedding)
-        object.__setattr__(self, "_magnitude", magnitude)
-        object.__setattr__(self, "_dora", dora)
-        kind = _kernels.EMBEDDING if embedding else _kernels.LORA
-        if dora is not None:  # float32 factors, g folded into B, y = g*y + c first
-            g, c, gbt, a32 = dora
-            kernel = _kernels.LayerKernel(a32, gbt, scale, None, pre_mul=g, pre_add=c)
-        elif a.dtype == np.float32:
-            kernel = _kernels.LayerKernel(a, bt, scale, bias, kind=kind,
-                                          needs_base=magnitude is not None)
-        else:  # 16-bit weights: the core takes their bit patterns
-            kernel = _kernels.LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale,
-                                       None if bias is None else bias.view(np.uint16),
-                                       weights=a.dtype.name, kind=kind,
-                                       needs_base=magnitude is not None)
-        object.__setattr__(self, "_kernel", kernel)
-
-    @classmethod
-    def _adopt(cls, a, bt, scale, bias=None, embedding=False, magnitude=None, dora=None):
-        """A layer that keeps ``a``, ``bt`` (``B^T``, ``(rank, d_out)``) and ``bias`` as they are.
-
-        For arrays already checked finite that this layer may keep: a file reader's
-        fresh float32 arrays, or unpickled ones (float32 or 16-bit weights, all of one
-        dtype; a magnitude and DoRA's base terms in float32).  They must be native,
-        C-contiguous and read-only.  Shapes, ranks, the scale and the variant are checked
-        as :class:`LoraLayer` checks them; nothing is copied.
-        """
-        dtype = a.dtype if isinstance(a, np.ndarray) and a.dtype.name in _WEIGHT_DTYPES \
-            and a.dtype.isnative else _FLOAT32
-        _adoptable(a, "a", 2, dtype)
-        _adoptable(bt, "b^T", 2, dtype)
-        scale = _finite_scale(scale, "scale")
-        _check_factor_shapes(a, bt)
-        if bias is not None:
-            _adoptable(bias, "bias", 1, dtype)
-            _check_bias_shape(a, bt, bias)
-        if magnitude is not None:
-            _adoptable(magnitude, "magnitude", 1)
-        for name, arr, nd in zip(("g", "(1 - g) b", "g B^T", "a"), dora or (), (1, 1, 2, 2)):
-            _adoptable(arr, name, nd)
-        _check_variant(a, bt, bias, bool(embedding), magnitude, dora)
-        return cls._trusted(a, bt, scale, bias, bool(embedding), magnitude, dora)
-
-    @classmethod
-    def _trusted(cls, a, bt, scale, bias, embedding=False, magnitude=None, dora=None):
-        # For arrays checked as a layer checks them (those of a layer, or what a file reader
-        # returned: lorahook.files.LayerData): no copy, and no check but the kernel's.
-        self = cls.__new__(cls)
-        self._init(a, bt, float(scale), bias, embedding, magnitude, dora)
-        return self
-
-    def __setattr__(self, name, value):
-        raise AttributeError("LoraLayer is immutable")
-
-    def __reduce__(self):
-        variant = None
-        if self._embedding or self._magnitude is not None:
-            variant = (self._embedding, self._magnitude, self._dora)
-        return (_layer_from_pickle, (self._a, self._bt, self._scale, self._bias, variant))
-
-    def _like(self, a, bt, scale, bias, dora):
-        """A layer of this one's variant (embedding, magnitude) with other arrays."""
-        return LoraLayer._trusted(a, bt, scale, bias, self._embedding, self._magnitude, dora)
-
-    # --- variants ------------------------------------------------------------
-
-    is_embedding = property(lambda self: self._embedding,
-                            doc="Whether this is an embedding LoRA (``apply_lora_embedding``).")
-    magnitude = property(lambda self: self._magnitude,
-                         doc="DoRA's ``(d_out,)`` magnitude vector (float32), or ``None``.")
-    is_dora = property(lambda self: self._magnitude is not None, doc="Whether this is a DoRA layer.")
-    has_base = property(lambda self: self._dora is not None,
-                        doc="Whether this DoRA layer has its base weight's terms (:meth:`with_base`).")
-
-    def with_base(self, weight, bias=None):
-        """This DoRA layer with the terms of its base ``weight`` ``(d_out, d_in)`` and ``bias``.
-
-        The norm is computed once, in float64, from ``weight`` (a float array;
-        dequantize a quantized one first) and this layer's factors and scale;
-        the layer then keeps ``g`` and ``(1 - g) * bias`` (``d_out`` values
-        each) and float32 copies of its factors with ``g`` folded into ``B``.
-        ``ValueError`` for a layer that is not DoRA, wrong shapes, non-finite
-        values or a zero row.
-        """
-        if self._magnitude is None:
-            raise ValueError("with_base applies to DoRA layers (with a magnitude vector) only")
-        dora = _dora_terms(self._a, self._bt, self._scale, self._magnitude, weight, bias, "")
-        return self._like(self._a, self._bt, self._scale, self._bias, dora)
-
-    a = property(lambda self: self._a, doc="``(rank, d_in)`` float32, read-only.")
-    b = property(lambda self: self._bt.T,
-                 doc="``(d_out, rank)`` float32, a read-only view of the kept ``B^T``.")
-    scale = property(lambda self: self._scale, doc="The layer's scale (float).")
-    bias = property(lambda self: self._bias, doc="``(d_out,)`` float32 or ``None``.")
-    rank = property(lambda self: self._a.shape[0])
-    d_in = property(lambda self: self._a.shape[1])
-    d_out = property(lambda self: self._bt.shape[1])
-
-    @property
-    def num_parameters(self):
-        return self._a.size + self._bt.size + (0 if self._bias is None else self._bias.size)
-
-    def _arrays(self):
-        arrays = [self._a, self._bt]
-        for extra in (self._bias, self._magnitude):
-            if extra is not None:
-                arrays.append(extra)
-        if self._dora is not None:  # g, c, g*B^T, and A when its float32 copy is its own
-            arrays.extend(arr for arr in self._dora if arr is not self._a)
-        return tuple(arrays)
-
-    @property
-    def nbytes(self):
-        """Bytes of the arrays the layer keeps (``a``, ``B^T``, ``bias``)."""
-        return sum(arr.nbytes for arr in self._arrays())
-
-    def with_scale(self, scale):
-        """The same arrays with another scale (no copy).
-
-        A DoRA layer with its base terms keeps them only for the same scale
-        (its norm depends on the scale): another scale is a ``ValueError``;
-        scale it before :meth:`with_base`.
-        """
-        scale = _finite_scale(scale, "scale")
-        if self._dora is not None and scale != self._scale:
-            raise ValueError("a DoRA layer's base terms depend on its scale: scale the layer "
-                             "before with_base, not after")
-        return self._like(self._a, self._bt, scale, self._bias, self._dora)
-
-    @property
-    def dtype(self):
-        """The dtype ``a`` and ``b`` are kept in: float32, float16 or bfloat16."""
-        return self._a.dtype
-
-    def astype(self, dtype):
-        """This layer with ``a`` and ``b`` kept in ``dtype`` (float32, float16 or bfloat16).
-
-        Values are rounded once, to nearest even (the bias, if any, too).
-        ``self`` when already in ``dtype``.  The kernels widen 16-bit arrays to
-        float32 on each call.
-        """
-        dt = _weight_dtype(dtype)
-        if dt == self._a.dtype:
-            return self
-        arrays = [None if arr is None else _as_float32(arr)
-                  for arr in (self._a, self._bt, self._bias)]
-        if dt == np.float32:  # widened from 16 bits: new arrays of this layer's own
-            for arr in arrays:
-                if arr is not None:
-                    arr.flags.writeable = False
-        else:
-            arrays = [None if arr is None else _rounded(arr, dt) for arr in arrays]
-        dora = self._dora
-        if dora is not None:  # the base terms stay; the kernel's factors are the rounded ones
-            g, c = dora[0], dora[1]
-            gbt = np.ascontiguousarray(_as_float32(arrays[1]) * g[None, :], dtype=np.float32)
-            a32 = _as_float32(arrays[0])
-            for arr in (gbt, a32):
-                arr.flags.writeable = False
-            dora = (g, c, gbt, a32)
-        return self._like(arrays[0], arrays[1], self._scale, arrays[2], dora)
-
-    def delta_weight(self):
-        """``scale * B @ A`` as a float32 ``(d_out, d_in)`` array (computed in float32)."""
-        out = _as_float32(self._bt).T @ _as_float32(self._a)
-        out *= np.float32(self._scale)
-        return out
-
-    def __repr__(self):
-        extra = ", bias" if self._bias is not None else ""
-        if self._embedding:
-            extra += ", embedding"
-        if self._magnitude is not None:
-            extra += ", DoRA" + ("" if self._dora is not None else " without base")
-        return (f"LoraLayer(rank={self.rank}, d_in={self.d_in}, d_out={self.d_out}, "
-                f"scale={self._scale:g}{extra})")
-
-
-def _check_variant(a, bt, bias, embedding, magnitude, dora=None):
-    """The checks of a layer's variant: embedding LoRA, DoRA and DoRA's base terms."""
-    d_out = bt.shape[1]
-    if embedding and bias is not None:
-        raise ValueError("an embedding LoRA layer has no bias (PEFT's Embedding has no lora_bias)")
-    if embedding and magnitude is not None:
-        raise ValueError("DoRA on an embedding layer is not supported")
-    if magnitude is not None and bias is not None:
-        raise ValueError("a DoRA layer with a lora_bias is not supported")
-    if magnitude is not None and magnitude.shape != (d_out,):
-        raise ValueError(f"magnitude must have shape ({d_out},) (one per output), got "
-                         f"{magnitude.shape}")
-    if dora is not None and (magnitude is None or [x.shape for x in dora]
-                             != [(d_out,), (d_out,), bt.shape, a.shape]):
-        raise ValueError("DoRA's base terms do not match the layer's factors")
-
-
-def _layer_from_pickle(a, bt, scale, bias, variant=None):
-    """An unpickled layer: its arrays kept as they arrive (protocol-5 buffers too), read-only."""
-    variant = variant or (False, None, None)
-    for arr in (a, bt, bias, variant[1]) + tuple(variant[2] or ()):
-        if isinstance(arr, np.ndarray) and arr.flags.writeable:
-            arr.flags.writeable = False
-    return LoraLayer._adopt(a, bt, scale, bias, *variant)
-
-
-def _check_key(key):
+def _check_layer_key(key):
     if type(key) is tuple and len(key) == 2 and (type(key[0]) is int and key[0] >= 0
                                                  or key[0] is None) \
             and type(key[1]) is str and key[1]:  # the common case
@@ -363,7 +110,7 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
                  saved_modules=None):
         checked = {}
         for key, layer in dict(layers).items():
-            key = _check_key(key)
+            key = _check_layer_key(key)
             if not isinstance(layer, LoraLayer):
                 raise TypeError(f"layer for key {key!r} must be a LoraLayer, got {type(layer).__name__}")
             if key in checked:
@@ -371,7 +118,7 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             checked[key] = layer
         saved = {}
         for key, module in dict(saved_modules or {}).items():
-            key = _check_key(key)
+            key = _check_layer_key(key)
             if not isinstance(module, SavedModule):
                 raise TypeError(f"saved module for key {key!r} must be a SavedModule, got "
                                 f"{type(module).__name__}")
@@ -383,7 +130,7 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         paths = {}
         for key, path in dict(module_paths or {}).items():
-            key = _check_key(key)
+            key = _check_layer_key(key)
             if key not in checked and key not in saved:
                 raise ValueError(f"module_paths names key {key!r} that the adapter does not hold")
             if not isinstance(path, str):

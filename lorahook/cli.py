@@ -262,7 +262,8 @@ def _demo_config_path():
 def _demo_adapters(config, rng):
     """Three adapters over the demo model, different ranks, scales and coverage."""
     import numpy as np
-    from .adapter import LoraAdapter, LoraLayer
+    from .adapter import LoraAdapter
+    from .layer import LoraLayer
     from .models import QWEN35_MLP_MODULES
     specs = [
         # name, rank, lora_alpha, which modules

@@ -245,7 +245,7 @@ def test_merge_into_with_an_aliased_bias_changes_nothing():
 
 
 def test_unpickling_checks_what_a_hostile_pickle_could_send():
-    from lorahook.adapter import _layer_from_pickle
+    from lorahook.layer import _layer_from_pickle
     a = np.ones((2, 8), np.float32)
     bt = np.ones((2, 6), np.float32)
     with pytest.raises(ValueError, match="ranks disagree"):

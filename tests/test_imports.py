@@ -166,3 +166,14 @@ def test_no_source_file_of_the_package_is_over_a_thousand_lines():
     long = {p.name: n for p in sources
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 1000}
     assert not long, long
+
+
+def test_every_subpackage_is_listed_for_the_wheel():
+    """pyproject.toml lists packages by hand: a subpackage left out would be missing from the wheel."""
+    tomllib = __import__("pytest").importorskip("tomllib")
+    pyproject = ROOT.parent / "pyproject.toml"
+    if not pyproject.exists():  # an installed lorahook, away from its checkout
+        __import__("pytest").skip("no pyproject.toml beside the package")
+    listed = set(tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"])
+    packages = {".".join(p.parent.relative_to(ROOT.parent).parts) for p in ROOT.rglob("__init__.py")}
+    assert packages == listed

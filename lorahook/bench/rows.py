@@ -56,7 +56,7 @@ def _rng():
 
 
 def _layer(rng, d_in, d_out, rank, scale=2.0):
-    from ..adapter import LoraLayer
+    from ..layer import LoraLayer
     a = (rng.standard_normal((rank, d_in)) / np.sqrt(d_in)).astype(np.float32)
     b = (rng.standard_normal((d_out, rank)) / np.sqrt(rank)).astype(np.float32)
     return LoraLayer(a, b, scale)
