@@ -215,10 +215,12 @@ class AdapterSet:
             # together: arrays the kept adapters share with pinned ones count once
             total = _nbytes(new[n] for n in keep.union(pinned) if n in new)
             if total > self._capacity:
-                raise LoraCapacityError(
+                error = LoraCapacityError(
                     f"adapters {sorted(keep)} need {need} bytes; with the pinned {pinned} "
                     f"they need {total} bytes and cannot fit in "
                     f"capacity_bytes={self._capacity}; nothing was evicted")
+                error.nbytes = need  # what the adapters need alone: more than the capacity
+                raise error          # means they can never fit
             # bytes per array and how many resident adapters share it: an
             # eviction frees only the arrays no other adapter keeps
             users = Counter(i for entry in new.values() for i in entry.arrays)

@@ -542,12 +542,14 @@ def build_parser():
 
 def cmd_serve(args, out):
     from . import server
-    try:
-        import fastapi  # noqa: F401
-        import ray.serve  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        raise CommandError(f"needs Ray Serve, FastAPI and transformers ({exc}): "
+    # found, not imported: ray reads settings from the environment when it is
+    # imported, which the server sets first
+    from importlib.util import find_spec
+    missing = [m for m in ("fastapi", "ray", "transformers") if find_spec(m) is None]
+    if not missing and find_spec("ray.serve") is None:
+        missing = ["ray.serve"]
+    if missing:
+        raise CommandError(f"needs Ray Serve, FastAPI and transformers (no {missing[0]}): "
                            f"pip install 'lorahook[serve]'", EXIT_USAGE) from None
     return server.main(args, out)
 

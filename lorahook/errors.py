@@ -10,4 +10,10 @@ class LoraFormatError(ValueError):
 
 
 class LoraCapacityError(MemoryError):
-    """Adapters that cannot be resident within an :class:`~lorahook.AdapterSet`'s capacity."""
+    """Adapters that cannot be resident within an :class:`~lorahook.AdapterSet`'s capacity.
+
+    ``nbytes`` (when the set raised it): the bytes those adapters need on
+    their own; more than the capacity means they can never be resident.
+    """
+
+    nbytes = None

@@ -31,7 +31,7 @@ def tokenizer(chat=True):
                                    chat_template=CHAT_TEMPLATE if chat else None)
 
 
-def model(hidden=64, layers=2, intermediate=None, heads=4, kv_heads=2):
+def model(hidden=64, layers=2, intermediate=None, heads=4, kv_heads=2, context=256):
     import torch
     import transformers
     torch.manual_seed(0)
@@ -39,7 +39,7 @@ def model(hidden=64, layers=2, intermediate=None, heads=4, kv_heads=2):
         vocab_size=len(SPECIAL) + len(WORDS), hidden_size=hidden,
         intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=256, initializer_range=0.3, pad_token_id=0, bos_token_id=1,
+        max_position_embeddings=context, initializer_range=0.3, pad_token_id=0, bos_token_id=1,
         eos_token_id=2)
     return transformers.LlamaForCausalLM(config).eval()
 

@@ -38,3 +38,57 @@ def test_missing_directories_are_refused(tmp_path):
         serve.main(parser().parse_args([str(tmp_path / "nope")]))
     with pytest.raises(FileNotFoundError, match="--adapters"):
         serve.main(parser().parse_args([str(tmp_path), "--adapters", str(tmp_path / "nope")]))
+
+
+def test_the_hardening_options_are_documented_with_their_defaults():
+    text = parser().format_help()
+    for option in ("--max-model-len", "--max-body-bytes", "--max-queued-requests",
+                   "--request-timeout", "--api-key-file", "--runtime-adapter-root"):
+        assert option in text, option
+    args = parser().parse_args(["model"])
+    assert (args.max_body_bytes, args.max_queued_requests, args.request_timeout,
+            args.max_model_len) == (4 << 20, 256, 600.0, None)
+
+
+def test_the_key_comes_from_the_option_a_file_or_the_environment(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    args = parser().parse_args([str(tmp_path), "--api-key-file", str(key_file)])
+    assert serve.api_key(args, environ={"LORAHOOK_API_KEY": "sk-env"}) == "sk-from-file"
+    args = parser().parse_args([str(tmp_path)])
+    assert serve.api_key(args, environ={"LORAHOOK_API_KEY": "sk-env"}) == "sk-env"
+    assert serve.api_key(args, environ={}) is None
+    args = parser().parse_args([str(tmp_path), "--api-key", "sk-arg"])
+    assert serve.api_key(args, environ={"LORAHOOK_API_KEY": "sk-env"}) == "sk-arg"
+    with pytest.raises(ValueError, match="not both"):
+        serve.api_key(parser().parse_args([str(tmp_path), "--api-key", "a", "--api-key-file",
+                                           str(key_file)]), environ={})
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        serve.api_key(parser().parse_args([str(tmp_path), "--api-key-file", str(key_file)]),
+                      environ={})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--allow-runtime-adapters"], "needs --runtime-adapter-root"),
+    (["--runtime-adapter-root", "."], "is for --allow-runtime-adapters"),
+    (["--max-queued-requests", "0"], "--max-queued-requests must be >= 1"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+    (["--request-timeout", "0"], "--request-timeout must be > 0"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 1"),
+])
+def test_settings_that_cannot_work_are_refused_before_ray_starts(tmp_path, argv, message):
+    with pytest.raises(ValueError, match=message):
+        serve.main(parser().parse_args([str(tmp_path), *argv]))
+
+
+def test_a_max_model_len_above_the_model_s_context_is_refused(tmp_path):
+    pytest.importorskip("transformers")
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "max_position_embeddings": 128, "hidden_size": 8,
+        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "vocab_size": 10}))
+    with pytest.raises(ValueError, match=r"--max-model-len 129 is more than the model's "
+                                         r"context \(128 tokens\)"):
+        serve.main(parser().parse_args([str(tmp_path), "--max-model-len", "129"]))

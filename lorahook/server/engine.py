@@ -4,9 +4,21 @@ A :class:`Batch` runs one transformers causal LM on several requests at once,
 each row with its own adapter through ``attached.sequences(names)``.
 Requests are *admitted* (:meth:`Batch.admit`), prefilled together at the
 next :meth:`Batch.step` (left-padded prompts), then decoded one token per
-step.  Each request has its own sampling (greedy at ``temperature`` 0, else
-temperature and ``top_p`` with its own seeded generator), its own
-``max_tokens`` and ``stop`` strings.
+step.  Each request has its own sampling (greedy at ``temperature`` below
+``1e-5``, else temperature and ``top_p`` with its own seeded generator), its
+own ``max_tokens`` and ``stop`` strings.
+
+A request's failure is its own: a row whose logits (or, sampled, whose
+probabilities) are not finite, or whose sampling or decoding raises, ends
+with finish reason ``"error"`` and the error's message, and leaves the batch;
+the other rows go on as they would alone.  Text is decoded incrementally (a
+window of the last tokens per step) and stop strings are searched in the new
+text plus the longest stop's length, so a step costs the same however much
+text came before.
+
+The rows' adapters are bound once per change of the rows (an admission, a
+row leaving), not once per step: every decode step in between reuses that
+selection and the plans its projections made on their first call.
 
 With a joinable cache (:func:`joinable`: transformers' ``DynamicCache`` of
 full-attention layers), requests may be admitted while others are decoding:
@@ -22,7 +34,7 @@ import inspect
 
 import torch
 
-__all__ = ["Request", "Batch", "joinable", "cache_of"]
+__all__ = ["Request", "Batch", "joinable", "cache_of", "model_context"]
 
 
 class Request:
@@ -40,15 +52,26 @@ class Request:
         self.stop = tuple(stop)
 
 
+# below this temperature a row is greedy (what vLLM does): dividing by it would overflow
+GREEDY_BELOW = 1e-5
+
+
 def _held_back(text, stops):
-    """How many trailing characters could still grow into a stop string (or a whole character)."""
-    held = 1 if text.endswith("\ufffd") else 0  # a UTF-8 character split across tokens
+    """How many trailing characters could still grow into a stop string."""
+    held = 0
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), held, -1):
             if text.endswith(stop[:k]):
                 held = k
                 break
     return held
+
+
+def model_context(config):
+    """The context length of a transformers config (``max_position_embeddings``), or ``None``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def cache_of(output):
@@ -77,17 +100,21 @@ def joinable(cache):
 class _Live:
     """One admitted request: its adapter, what it generated and sent, and how it ended."""
 
-    __slots__ = ("name", "request", "index", "generated", "sent", "reason", "rng")
+    __slots__ = ("name", "request", "index", "generated", "text", "sent", "reason", "error",
+                 "rng", "prefix", "read")
 
     def __init__(self, name, request, index):
         self.name, self.request, self.index = name, request, index
         self.generated = []
-        self.sent = ""
+        self.text = ""      # the decoded text so far
+        self.sent = 0       # how much of it was reported
+        self.prefix = self.read = 0  # the window of tokens the next decode starts from
         self.reason = None  # the finish reason, once finished (reported then; DONE a step later)
+        self.error = None   # with reason "error": what went wrong, for the request's answer
         self.rng = None
         if request.seed is not None:
             self.rng = torch.Generator()
-            self.rng.manual_seed(int(request.seed))
+            self.rng.manual_seed(int(request.seed) % (1 << 64))
 
 
 class Batch:
@@ -105,6 +132,7 @@ class Batch:
         self.cache = self.input_ids = self.mask = self.positions = None
         self.reported = []   # the open requests as the last step reported them, in order
         self._count = 0
+        self._selection = None  # (rows' names, the bound selection) reused while rows stay
 
     @property
     def done(self):
@@ -140,8 +168,9 @@ class Batch:
         """Decode the running rows and prefill the waiting requests: one report per open request.
 
         A report is ``(text, finish_reason)``: the text the request gained and,
-        on its last report, why it finished; ``None`` once that was reported
-        (the request then leaves :attr:`open`).  :attr:`reported` lists the
+        on its last report, why it finished (``"error"``: see the request's
+        :attr:`_Live.error`); ``None`` once that was reported (the request
+        then leaves :attr:`open`).  :attr:`reported` lists the
         requests reported on, in order.
         """
         done = {id(live) for live in self.open if live.reason is not None}  # reported last step
@@ -158,7 +187,10 @@ class Batch:
         return out
 
     def _forward(self, names, **inputs):
-        with self.attached.sequences(names):
+        names = tuple(names)
+        if self._selection is None or self._selection[0] != names:
+            self._selection = (names, self.attached.sequences(names))
+        with self._selection[1]:
             return self.model(use_cache=True, **inputs)
 
     def _decode(self, reports):
@@ -167,7 +199,7 @@ class Batch:
                             **{self._cache_arg: self.cache})
         self.cache = cache_of(out)
         tokens = self._next_tokens(self.rows, out.logits[:, -1, :].float())
-        self.input_ids = torch.tensor(tokens, dtype=torch.long)[:, None]
+        self.input_ids = self._inputs(tokens)
         self.positions = self.positions + 1
         self.mask = torch.cat([self.mask, torch.ones((len(tokens), 1), dtype=torch.long)], dim=1)
         for live, token in zip(self.rows, tokens):
@@ -188,7 +220,7 @@ class Batch:
         if self.can_join is None:
             self.can_join = joinable(cache_of(out))
         tokens = self._next_tokens(lives, out.logits[:, -1, :].float())
-        new = (cache_of(out), torch.tensor(tokens, dtype=torch.long)[:, None],
+        new = (cache_of(out), self._inputs(tokens),
                torch.cat([mask, torch.ones((len(lives), 1), dtype=torch.long)], dim=1),
                positions[:, -1:] + 1)
         if self.rows:
@@ -198,6 +230,11 @@ class Batch:
             self.cache, self.input_ids, self.mask, self.positions = new
         for live, token in zip(lives, tokens):
             reports[id(live)] = self._report(live, token)
+
+    def _inputs(self, tokens):
+        """The next step's input ids (a failed row, which leaves, is given the pad token)."""
+        return torch.tensor([self.pad if t is None else t for t in tokens],
+                            dtype=torch.long)[:, None]
 
     # --- rows ---------------------------------------------------------------
 
@@ -246,36 +283,77 @@ class Batch:
     # --- tokens -------------------------------------------------------------
 
     def _next_tokens(self, lives, logits):
-        out = logits.argmax(dim=-1).tolist()  # greedy rows (temperature 0) keep these
+        """One token per row; a row that cannot have one fails (its token is then ``None``)."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        out = logits.argmax(dim=-1).tolist()  # greedy rows keep these
         for i, live in enumerate(lives):
-            r = live.request
-            if r.temperature == 0.0 or live.reason is not None:
+            if live.reason is not None:
                 continue
-            probs = torch.softmax(logits[i] / r.temperature, dim=-1)
-            if r.top_p < 1.0:
-                sorted_p, order = torch.sort(probs, descending=True)
-                keep = sorted_p.cumsum(-1) - sorted_p < r.top_p  # the smallest set reaching top_p
-                sorted_p = sorted_p * keep
-                probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-            out[i] = int(torch.multinomial(probs, 1, generator=live.rng))
+            if not finite[i]:
+                self._fail(live, "the model's logits for this request are not finite")
+                out[i] = None
+                continue
+            r = live.request
+            if r.temperature < GREEDY_BELOW:
+                continue
+            try:
+                out[i] = self._sample(logits[i], r, live.rng)
+            except Exception as exc:
+                self._fail(live, f"sampling failed: {exc}")
+                out[i] = None
         return out
 
+    @staticmethod
+    def _sample(logits, r, rng):
+        probs = torch.softmax(logits.double() / r.temperature, dim=-1)
+        if r.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < r.top_p  # the smallest set reaching top_p
+            sorted_p = sorted_p * keep
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+            raise ValueError("the probabilities are not finite")
+        return int(torch.multinomial(probs, 1, generator=rng))
+
+    @staticmethod
+    def _fail(live, message):
+        live.reason, live.error = "error", message
+
     def _report(self, live, token):
+        if token is None:  # failed in _next_tokens
+            return "", live.reason
+        try:
+            return self._advance(live, token)
+        except Exception as exc:
+            self._fail(live, f"decoding failed: {exc}")
+            return "", live.reason
+
+    def _advance(self, live, token):
         r = live.request
         reason = None
         if token in self.eos:
             reason = "stop"
         else:
             live.generated.append(token)
-        text = self.tokenizer.decode(live.generated, skip_special_tokens=True)
-        for stop in r.stop:
-            at = text.find(stop)
-            if at >= 0:
-                text, reason = text[:at], "stop"
+            # the new text: what the window decodes to past what it decoded to before
+            # (nothing while it ends in a partial character)
+            before = self.tokenizer.decode(live.generated[live.prefix:live.read],
+                                           skip_special_tokens=True)
+            after = self.tokenizer.decode(live.generated[live.prefix:],
+                                          skip_special_tokens=True)
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                start = max(0, len(live.text) - max((len(s) for s in r.stop), default=1) + 1)
+                live.text += after[len(before):]
+                live.prefix, live.read = live.read, len(live.generated)
+                for stop in r.stop:
+                    at = live.text.find(stop, start)
+                    if at >= 0:
+                        live.text, reason = live.text[:at], "stop"
         if reason is None and len(live.generated) >= r.max_tokens:
             reason = "length"
+        text = live.text
         upto = len(text) if reason is not None else len(text) - _held_back(text, r.stop)
-        delta = text[len(live.sent):upto] if upto > len(live.sent) else ""
-        live.sent += delta
+        delta = text[live.sent:upto] if upto > live.sent else ""
+        live.sent += len(delta)
         live.reason = reason
         return delta, reason

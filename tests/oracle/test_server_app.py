@@ -42,7 +42,8 @@ def server(tmp_path_factory):
     lines = []
     try:
         proc, url = start_server(model_dir, adapters, "--api-key", KEY,
-                                 "--allow-runtime-adapters", "--max-batch-size", "8",
+                                 "--allow-runtime-adapters", "--runtime-adapter-root", str(tmp),
+                                 "--max-batch-size", "8",
                                  cwd=str(tmp), lines=lines)
     except RuntimeError as exc:
         pytest.fail(str(exc))
@@ -218,7 +219,7 @@ def test_errors_are_openai_error_objects(server, client):
     assert resp.status_code == 401 and set(resp.json()["error"]) == {"message", "type", "param",
                                                                       "code"}
     assert httpx.get(server["url"] + "/health", timeout=30).status_code == 200
-    headers = {"Authorization": f"Bearer {KEY}"}
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     for path in ("/v1/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         for body in (b"{not json", b"[1, 2]"):
             resp = httpx.post(server["url"] + path, content=body, headers=headers, timeout=30)
@@ -247,6 +248,10 @@ def test_runtime_adapters_load_reload_and_unload(server, client, tokenizer):
     chunks = [next(running)]
     r = httpx.post(server["url"] + "/v1/load_lora_adapter", headers=headers, timeout=60,
                    json={"lora_name": "extra", "lora_path": server["spare2"]})
+    assert r.status_code == 400 and "load_inplace" in r.json()["error"]["message"]
+    r = httpx.post(server["url"] + "/v1/load_lora_adapter", headers=headers, timeout=60,
+                   json={"lora_name": "extra", "lora_path": server["spare2"],
+                         "load_inplace": True})
     assert r.status_code == 200
     assert ask() == _reference(server, tokenizer, "extra", ids, 8, server["spare2"])
     chunks += list(running)
@@ -258,7 +263,7 @@ def test_runtime_adapters_load_reload_and_unload(server, client, tokenizer):
     with pytest.raises(openai.NotFoundError):
         ask()
     r = httpx.post(server["url"] + "/v1/load_lora_adapter", headers=headers, timeout=60,
-                   json={"lora_name": "broken", "lora_path": "/nonexistent"})
+                   json={"lora_name": "broken", "lora_path": server["model_dir"] + "/nope"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
 
 
