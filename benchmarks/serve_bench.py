@@ -12,6 +12,13 @@ and a lone request's time to first token against a one-token completion (one
 prefill).  Sizes: "0.5b" has the layers of a 0.5B decoder (hidden 896, 24 layers,
 MLP 4864, 14 heads, 2 KV heads); "small" is hidden 1024, 4 layers, whose steps
 cost little next to the HTTP streaming of 64 clients on the same machine.
+
+    python benchmarks/serve_bench.py --step-cost [--size 0.5b]
+
+times the server's decode step in this process (no Ray, no HTTP): 64 rows over
+8 adapters, with the rows' selection bound once and reused by every step (what
+the server does) against a new selection -- a bind and a plan per hooked
+linear -- at every step.
 """
 import argparse
 import json
@@ -113,11 +120,55 @@ def _stats(url):
     return httpx.get(url + "/lorahook/stats", timeout=60).json()
 
 
+def step_cost(workdir, size="0.5b", rows=64, adapters=8, steps=16, rounds=5):
+    """Median decode-step seconds: the selection reused across steps, and made anew per step."""
+    import statistics
+    import time
+
+    import torch
+    import transformers
+
+    import lorahook
+    from lorahook.server.engine import Batch, Request
+    from lorahook.torch import attach, geometry_of
+
+    names = [f"adapter{i}" for i in range(adapters)]
+    model_dir, adapters_dir = save_all(workdir, names, **SIZES[size])
+    torch.set_num_threads(1)
+    lorahook.threads.configure(blas_threads=1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    store = lorahook.AdapterSet(geometry_of(model), resolver=adapters_dir)
+    attached = attach(model, store)
+    prompt = tokenizer("the big red dog runs over the mat")["input_ids"]
+    out = {"size": size, "rows": rows, "adapters": adapters}
+    times = {"reused": [], "new per step": []}
+    for _ in range(rounds):
+        for label in times:
+            run = Batch(model, tokenizer, attached, 0, [], True)
+            run.admit([names[i % adapters] for i in range(rows)],
+                      [Request(prompt, steps + 2, 0.0) for _ in range(rows)])
+            run.step()  # the prefill
+            for _ in range(steps):
+                if label != "reused":
+                    run._selection = None
+                start = time.perf_counter()
+                run.step()
+                times[label].append(time.perf_counter() - start)
+    for label, values in times.items():
+        out[f"median decode step, selection {label} (s)"] = statistics.median(values)
+    out["new per step / reused"] = (out["median decode step, selection new per step (s)"]
+                                    / out["median decode step, selection reused (s)"])
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=[*SIZES, "all"], default="0.5b")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--step-cost", action="store_true",
+                        help="time the decode step with the selection reused or made per step")
     args = parser.parse_args()
     sizes = list(SIZES) if args.size == "all" else [args.size]
     import lorahook
@@ -125,8 +176,11 @@ def main():
     print(f"lorahook's BLAS: {blas['internal_api']} {blas['version']}, {blas['architecture']} kernel")
     for size in sizes:
         with tempfile.TemporaryDirectory(prefix="lorahook-serve-bench-") as tmp:
+            if args.step_cost:
+                print(json.dumps(step_cost(tmp, size), indent=2), flush=True)
+                continue
             print(json.dumps(run(tmp, size, max_batch_size=args.max_batch_size,
-                                              threads=args.threads), indent=2), flush=True)
+                                 threads=args.threads), indent=2), flush=True)
 
 
 if __name__ == "__main__":
