@@ -22,7 +22,7 @@ import time
 from collections import Counter, OrderedDict
 from types import MappingProxyType
 
-from . import threads
+from .threads import _look_ahead
 from ._values import describe, is_int
 from .adapter import _base_lookup
 from .bound import BoundBatch, BoundSequences, group_units, refuse_unknown, unit_factors
@@ -116,7 +116,7 @@ class AdapterSet:
                  "_pinned", "_loading", "_stats", "_base_weights")
 
     def __init__(self, model=None, *, capacity_bytes=None, resolver=None, base_weights=None):
-        threads._look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
+        _look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         self._model = _check_model(model)
         if capacity_bytes is not None:
             if not is_int(capacity_bytes):

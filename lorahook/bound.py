@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from . import _rows
+from ._rows import UnitGroups
 from ._values import finite_real
 from .hook import LoraHook
 
@@ -143,7 +143,7 @@ def group_units(names, factors, installed, unit):
     return parts
 
 
-class _Bound(_rows.UnitGroups, LoraHook):
+class _Bound(UnitGroups, LoraHook):
     """What the hooks of :meth:`AdapterSet.bind` and ``bind_sequences`` share.
 
     A snapshot of adapters grouped by unit (a row, or a sequence), immutable
@@ -165,7 +165,7 @@ class _Bound(_rows.UnitGroups, LoraHook):
 
     @classmethod
     def _make(cls, names, parts):
-        self = _rows.UnitGroups.__new__(cls)
+        self = UnitGroups.__new__(cls)
         object.__setattr__(self, "_names", names)
         object.__setattr__(self, "_adapters",
                            MappingProxyType({name: adapter for name, adapter, _ in parts}))

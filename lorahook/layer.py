@@ -7,7 +7,7 @@ compiled kernel a layer runs is built here, once.
 """
 import numpy as np
 
-from . import _kernels
+from ._kernels import EMBEDDING, LORA, LayerKernel
 from ._arrays import (_FLOAT32, _WEIGHT_DTYPES, _adoptable, _as_float32, _check_bias_shape,
                       _check_factor_shapes, _dora_terms, _finite_scale, _owned_float32,
                       _rounded, _weight_dtype)
@@ -66,15 +66,15 @@ class LoraLayer:
         object.__setattr__(self, "_embedding", embedding)
         object.__setattr__(self, "_magnitude", magnitude)
         object.__setattr__(self, "_dora", dora)
-        kind = _kernels.EMBEDDING if embedding else _kernels.LORA
+        kind = EMBEDDING if embedding else LORA
         if dora is not None:  # float32 factors, g folded into B, y = g*y + c first
             g, c, gbt, a32 = dora
-            kernel = _kernels.LayerKernel(a32, gbt, scale, None, pre_mul=g, pre_add=c)
+            kernel = LayerKernel(a32, gbt, scale, None, pre_mul=g, pre_add=c)
         elif a.dtype == np.float32:
-            kernel = _kernels.LayerKernel(a, bt, scale, bias, kind=kind,
+            kernel = LayerKernel(a, bt, scale, bias, kind=kind,
                                           needs_base=magnitude is not None)
         else:  # 16-bit weights: the core takes their bit patterns
-            kernel = _kernels.LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale,
+            kernel = LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale,
                                        None if bias is None else bias.view(np.uint16),
                                        weights=a.dtype.name, kind=kind,
                                        needs_base=magnitude is not None)
