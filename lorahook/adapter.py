@@ -17,7 +17,8 @@ from .files import read_peft, read_safetensors_adapter, write_peft
 from .hook import LoraHook
 from .models import EMBEDDING_MODULES, BertConfig, ModelGeometry
 from ._arrays import _as_float32, _finite_scale, _weight_dtype
-from .layer import LoraLayer, _check_variant
+# _layer_from_pickle: what layers pickled by lorahook 0.1.0 name to rebuild themselves
+from .layer import LoraLayer, _check_variant, _layer_from_pickle  # noqa: F401
 from .saved_module import SavedModule
 
 __all__ = ["LoraLayer", "LoraAdapter", "SavedModule", "blend", "key_order"]

@@ -258,3 +258,17 @@ def test_unpickling_checks_what_a_hostile_pickle_could_send():
         _layer_from_pickle(a, bt, float("inf"), None)
     layer = _layer_from_pickle(a, bt, 2.0, None)
     assert not layer.a.flags.writeable and layer.b.shape == (6, 2)
+
+
+def test_a_layer_pickled_under_its_old_module_path_still_loads():
+    # lorahook 0.1.0 kept LoraLayer in lorahook.adapter: its pickles name
+    # lorahook.adapter._layer_from_pickle, which must keep rebuilding layers
+    import pickle
+    from lorahook import LoraLayer
+    layer = LoraLayer(np.ones((2, 8), np.float32), np.full((6, 2), 0.5, np.float32), 3.0)
+    data = pickle.dumps(layer, protocol=4)
+    assert b"lorahook.layer" in data
+    old = data.replace(b"\x8c\x0elorahook.layer", b"\x8c\x10lorahook.adapter")
+    assert old != data and b"lorahook.layer" not in old
+    back = pickle.loads(old)
+    assert back.scale == 3.0 and np.array_equal(back.b, layer.b)
