@@ -228,15 +228,19 @@ cdef int _run(const _Call *c, int hp) noexcept nogil:
     cdef Py_ssize_t b_size = <Py_ssize_t>c.d_out * c.rank if c.B != NULL else 0
     cdef Py_ssize_t w_floats = (a_size if c.ak != ROWS_F32 else 0) + \
         (b_size if c.bk != ROWS_F32 else 0)
-    cdef int q, owned_w = 0, owned = 0, lx, lt
+    cdef int q, owned_w = 0, owned = 0, lx, lt, lw, kw, lo
     cdef float alpha
     cdef const int *rows
     cdef const float *Wa = NULL
     cdef const float *Wb = NULL
+    cdef const float *Wl = NULL  # the last product's factor: B (or A alone)
+    cdef bint tw
     cdef const float *xp
     cdef const float *tp
     cdef float *W = NULL
     cdef float *yr
+    cdef float *out
+    cdef float beta
     cdef bint consecutive, direct
     # per chunk of rows: G (gathered input), T (the product with A), D (the output rows), R (one row)
     cdef Py_ssize_t t_cols = c.rank if (c.A != NULL and c.B != NULL) else 0
@@ -270,6 +274,9 @@ cdef int _run(const _Call *c, int hp) noexcept nogil:
         if c.B != NULL:
             Wb = _factor(c.B, c.bk, s, b_size,
                          W + (a_size if c.ak != ROWS_F32 else 0), hp)
+            Wl, tw, kw, lw = Wb, not c.b_t, c.rank, (c.d_out if c.b_t else c.rank)
+        else:
+            Wl, tw, kw, lw = Wa, True, c.d_in, c.d_in
         k = 0
         while k < m:
             q = <int>(chunk if m - k > chunk else m - k)
@@ -302,25 +309,17 @@ cdef int _run(const _Call *c, int hp) noexcept nogil:
                 tp = xp
                 lt = lx
                 alpha = c.scale
-            # the last product, straight into float32 output rows that follow each other
+            # the last product, straight into float32 output rows that follow each
+            # other, else into D to be scattered
             direct = c.yk == ROWS_F32 and consecutive
             if direct:
-                yr = <float *>c.Y + r0 * c.ldy
-                if c.B != NULL:
-                    _blas.gemm(False, not c.b_t, q, c.d_out, c.rank, alpha, tp, lt, Wb,
-                               c.d_out if c.b_t else c.rank, 1.0 if c.add else 0.0, yr,
-                               <int>c.ldy)
-                else:
-                    _blas.gemm(False, True, q, c.d_out, c.d_in, alpha, tp, lt, Wa, c.d_in,
-                               1.0 if c.add else 0.0, yr, <int>c.ldy)
+                out, lo, beta = <float *>c.Y + r0 * c.ldy, <int>c.ldy, (1.0 if c.add else 0.0)
+            else:
+                out, lo, beta = D, c.d_out, 0.0
+            _blas.gemm(False, tw, q, c.d_out, kw, alpha, tp, lt, Wl, lw, beta, out, lo)
+            if direct:
                 k += q
                 continue
-            if c.B != NULL:
-                _blas.gemm(False, not c.b_t, q, c.d_out, c.rank, alpha, tp, lt, Wb,
-                           c.d_out if c.b_t else c.rank, 0.0, D, c.d_out)
-            else:
-                _blas.gemm(False, True, q, c.d_out, c.d_in, alpha, tp, lt, Wa, c.d_in, 0.0,
-                           D, c.d_out)
             for j in range(q):
                 r = rows[j]
                 if c.yk == ROWS_F32:
