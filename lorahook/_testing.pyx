@@ -153,8 +153,11 @@ cdef int _row_stride(cnp.ndarray a, str name) except -1:
 
 
 cdef float *_vector(cnp.ndarray v, Py_ssize_t n, str name, bint write) except NULL:
-    if v.dtype != np.float32 or v.ndim != 1 or v.shape[0] != n or not v.flags.c_contiguous:
-        raise ValueError(f"{name} must be a contiguous float32 vector of {n} values")
+    """A contiguous float32 vector of ``n`` values (``n`` < 0: any number)."""
+    if v.dtype != np.float32 or v.ndim != 1 or not v.flags.c_contiguous or (
+            n >= 0 and v.shape[0] != n):
+        raise ValueError(f"{name} must be a contiguous float32 vector"
+                         + (f" of {n} values" if n >= 0 else ""))
     if write and not v.flags.writeable:
         raise ValueError(f"{name} must be writable")
     return <float *>cnp.PyArray_DATA(v)
@@ -191,7 +194,7 @@ def blas_gemm(bint trans_a, bint trans_b, float alpha, cnp.ndarray a not None,
 
 def blas_axpy(float alpha, cnp.ndarray x not None, cnp.ndarray y not None):
     """``y += alpha * x`` through ``_blas.axpy``."""
-    cdef float *xp = _vector(x, x.shape[0] if x.ndim == 1 else -1, "x", False)
+    cdef float *xp = _vector(x, -1, "x", False)
     cdef float *yp = _vector(y, x.shape[0], "y", True)
     with nogil:
         _blas.axpy(<int>x.shape[0], alpha, xp, yp)
@@ -199,6 +202,6 @@ def blas_axpy(float alpha, cnp.ndarray x not None, cnp.ndarray y not None):
 
 def blas_scal(float alpha, cnp.ndarray x not None):
     """``x *= alpha`` through ``_blas.scal``."""
-    cdef float *xp = _vector(x, x.shape[0] if x.ndim == 1 else -1, "x", True)
+    cdef float *xp = _vector(x, -1, "x", True)
     with nogil:
         _blas.scal(<int>x.shape[0], alpha, xp)

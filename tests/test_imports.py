@@ -10,6 +10,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 import lorahook
 
 ROOT = Path(lorahook.__file__).resolve().parent
@@ -170,10 +172,10 @@ def test_no_source_file_of_the_package_is_over_a_thousand_lines():
 
 def test_every_subpackage_is_listed_for_the_wheel():
     """pyproject.toml lists packages by hand: a subpackage left out would be missing from the wheel."""
-    tomllib = __import__("pytest").importorskip("tomllib")
+    tomllib = pytest.importorskip("tomllib")
     pyproject = ROOT.parent / "pyproject.toml"
     if not pyproject.exists():  # an installed lorahook, away from its checkout
-        __import__("pytest").skip("no pyproject.toml beside the package")
+        pytest.skip("no pyproject.toml beside the package")
     listed = set(tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"])
     packages = {".".join(p.parent.relative_to(ROOT.parent).parts) for p in ROOT.rglob("__init__.py")}
     assert packages == listed

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lorahook import LoraAdapter, LoraFormatError, LoraLayer
-from lorahook.resolver import (Load, check_adapter, check_lookup_name, check_name, check_resolver,
+from lorahook.resolver import (check_adapter, check_lookup_name, check_name, check_resolver,
                                identity, resolve, safe_component)
 
 
@@ -94,9 +94,3 @@ def test_identity_tells_resolvers_apart_across_processes():
     assert identity("/a/b/../c") == ("directory", "/a/c")
     assert identity(_adapter) == ("callable", __name__, "_adapter")
     assert identity({}.get)[0] == "callable"
-
-
-def test_a_load_starts_unfinished():
-    load = Load()
-    assert not load.done.is_set()
-    assert (load.value, load.error, load.abandoned, load.installed) == (None, None, False, False)

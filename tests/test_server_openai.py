@@ -1,4 +1,5 @@
 """lorahook.server.openai: the protocol's rules on their own (no ray, no torch, no HTTP)."""
+import contextlib
 import json
 
 import pytest
@@ -8,20 +9,13 @@ from lorahook.server.openai import (MAX_DEPTH, RequestError, check_api_key, comp
                                    parse_load, parse_unload, prompt_ids)
 
 
+@contextlib.contextmanager
 def refused(status, param=None):
-    """A context manager expecting a RequestError of ``status`` naming ``param``."""
-    class Check:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, kind, exc, tb):
-            assert isinstance(exc, RequestError), f"expected a {status}, got {exc!r}"
-            assert exc.status == status and exc.param == param, (exc.status, exc.param, str(exc))
-            body = exc.body()["error"]
-            assert set(body) == {"message", "type", "param", "code"}
-            self.message = str(exc)
-            return True
-    return Check()
+    """Expect a RequestError of ``status`` naming ``param``, with OpenAI's error object."""
+    with pytest.raises(RequestError) as info:
+        yield info
+    assert (info.value.status, info.value.param) == (status, param), str(info.value)
+    assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_a_plain_body_gives_openai_s_defaults():
@@ -46,18 +40,18 @@ def test_every_parameter_is_checked_and_named(field, value):
     ("logprobs", 1), ("logprobs", True), ("echo", True), ("best_of", 3), ("suffix", "x"),
     ("logit_bias", {"1": 5}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("tool_choice", "auto"), ("top_logprobs", 2),
+    ("tool_choice", "auto"), ("top_logprobs", 2), ("best_of", True), ("logprobs", 1.5),
 ])
 def test_unimplemented_parameters_are_refused_by_name_unless_default(field, value):
     with refused(400, field) as info:
         parse_completion({"model": "m", "prompt": "x", field: value}, "completion")
-    assert "not supported" in info.message
+    assert "not supported" in str(info.value)
 
 
 @pytest.mark.parametrize("field, value", [
     ("logprobs", None), ("echo", False), ("best_of", 1), ("logit_bias", {}),
     ("presence_penalty", 0), ("frequency_penalty", 0.0), ("response_format", {"type": "text"}),
-    ("tools", []), ("n", 1), ("user", "someone"),
+    ("tools", []), ("n", 1), ("user", "someone"), ("logprobs", 0.0),
 ])
 def test_defaults_of_unimplemented_parameters_are_accepted(field, value):
     parse_completion({"model": "m", "prompt": "x", field: value}, "completion")
@@ -66,7 +60,7 @@ def test_defaults_of_unimplemented_parameters_are_accepted(field, value):
 def test_unknown_parameters_are_refused_not_ignored():
     with refused(400, "max_token") as info:
         parse_completion({"model": "m", "prompt": "x", "max_token": 3}, "completion")
-    assert "unrecognized" in info.message
+    assert str(info.value) == "unrecognized request parameter 'max_token'"
 
 
 def test_chat_takes_max_completion_tokens():
@@ -82,12 +76,12 @@ def test_chat_takes_max_completion_tokens():
 def test_context_checks_name_the_prompt_or_max_tokens():
     with refused(400, "prompt") as info:
         fit_context(100, None, 100, "completion")
-    assert "context is 100 tokens" in info.message
+    assert "context is 100 tokens" in str(info.value)
     with refused(400, "messages"):
         fit_context(120, 1, 100, "chat")
     with refused(400, "max_tokens") as info:
         fit_context(90, 11, 100, "completion")
-    assert "90 tokens) + max_tokens (11) is 101" in info.message
+    assert "90 tokens) + max_tokens (11) is 101" in str(info.value)
     assert fit_context(90, 10, 100, "completion") == 10
     assert fit_context(10, None, 100, "completion") == 16     # OpenAI's default
     assert fit_context(95, None, 100, "chat") == 5            # or the room left
@@ -98,7 +92,7 @@ def test_json_bodies_are_objects_of_bounded_depth():
     deep = b'{"a": ' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}"
     with refused(400) as info:
         parse_json(deep)
-    assert f"deeper than {MAX_DEPTH}" in info.message
+    assert f"deeper than {MAX_DEPTH}" in str(info.value)
     # brackets inside strings do not count
     assert parse_json(json.dumps({"s": "[" * 500}).encode())["s"] == "[" * 500
     for raw in (b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe"):
@@ -160,7 +154,7 @@ def test_prompts_and_messages():
     assert prompt_ids({"messages": [{"role": "user", "content": "x"}]}, "chat", tok, 10) == [1]
     with refused(400, "messages") as info:
         prompt_ids({"messages": [{"role": "bad", "content": "secret"}]}, "chat", tok, 10)
-    assert "secret" not in info.message
+    assert "secret" not in str(info.value)
     with refused(400, "messages"):
         prompt_ids({"messages": [{"role": "user"}]}, "chat", tok, 10)
 

@@ -300,8 +300,10 @@ class LorahookServer:
         try:
             while True:
                 try:
-                    await self.load(key)
+                    # pinned as it is loaded (no other load can evict it in between),
+                    # then recorded in Ray's list of this replica's adapters
                     await asyncio.to_thread(self.adapters.pin, key)
+                    await self.load(key)
                     return key
                 except LoraCapacityError as exc:
                     alone = exc.nbytes
@@ -492,10 +494,10 @@ class LorahookServer:
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         meta = (rid, settings["model"], int(time.time()), kind, len(ids))
         tokens = self._tokens(key, req, deadline, lease)
+        weakref.finalize(tokens, lease.release)  # a response that never started its tokens
         if settings["stream"]:
-            events = self._events(tokens, meta, lease)
-            weakref.finalize(events, lease.release)  # a stream its client left before it began
-            return StreamingResponse(events, media_type="text/event-stream")
+            return StreamingResponse(self._events(tokens, meta),
+                                     media_type="text/event-stream")
         text, reason, used = [], None, 0
         try:
             async for delta, finish, used, error in tokens:
@@ -509,7 +511,7 @@ class LorahookServer:
             await tokens.aclose()
         return completion(meta, "".join(text), reason, used)
 
-    async def _events(self, tokens, meta, lease):
+    async def _events(self, tokens, meta):
         """Server-sent events: the first token at once, then what came in each
         ``FLUSH_S`` (a few tokens per event under load), then ``[DONE]``; a
         failure is an error event, then ``[DONE]``."""
@@ -535,7 +537,6 @@ class LorahookServer:
             yield "data: [DONE]\n\n"
         finally:
             await tokens.aclose()
-            lease.release()
 
     # --- runtime adapters ----------------------------------------------
 

@@ -163,9 +163,9 @@ _UNSUPPORTED = {
 
 
 def _is_default(value, defaults):
-    return any(value == d and type(value) is type(d) or (value is None and d is None)
-               or (type(d) is int and type(value) is float and value == d)
-               for d in defaults)
+    """Whether ``value`` is one of ``defaults`` (``1`` is not ``True``, ``0.0`` is ``0``)."""
+    return any(value == d and (type(value) is type(d) or (type(d) is int and type(value) is float))
+               for d in defaults) or value is None
 
 
 def parse_completion(body, kind):
@@ -185,8 +185,7 @@ def parse_completion(body, kind):
                 continue
             raise RequestError(400, f"'{name}' is not supported by this server (only its "
                                     f"default is accepted), got {_shown(body[name])}", name)
-        raise RequestError(400, f"unrecognized request parameter '{_shown(name)[1:-1]}'",
-                           str(name)[:MAX_NAME])
+        raise RequestError(400, f"unrecognized request parameter {name[:64]!r}", name[:MAX_NAME])
     model = body.get("model")
     if not isinstance(model, str) or not model or len(model) > MAX_NAME:
         raise RequestError(400, f"'model' is required: the base model's id or an adapter name, "
