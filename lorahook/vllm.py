@@ -121,6 +121,33 @@ def _served(groups: str):
     return wrap
 
 
+class _Stacked:
+    """One of vLLM's stacked weight tensors as the kernels take it (see ``_factor``).
+
+    ``view``: the tensor as a ``(slots, rows, cols)`` numpy view (16-bit kinds
+    in ``kinds``); ``copy``: the float32 copy the kernels use instead (``B``
+    transposed), or ``None`` when the view is used as it is; ``version``: the
+    tensor's version counter when the copy was made.
+    """
+
+    __slots__ = ("tensor", "view", "kinds", "copy", "version")
+
+    def __init__(self, t: torch.Tensor, transpose: bool):
+        self.tensor = t
+        self.kinds: list = []
+        view = _array(t, self.kinds)
+        self.view = view.reshape(view.shape[0], view.shape[-2], view.shape[-1])
+        self.copy, self.version = None, -1
+        try:
+            t._version
+        except RuntimeError:  # no version counter: it cannot tell when to copy again
+            return
+        if transpose or t.dtype != torch.float32:
+            shape = self.view.shape
+            self.copy = np.empty((shape[0], shape[2], shape[1]) if transpose else shape,
+                                 np.float32)
+
+
 class PunicaWrapperLorahook(PunicaWrapperCPU):
     """vLLM's CPU punica wrapper with lorahook's grouped kernels behind every method.
 
@@ -137,9 +164,8 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         self._tokens: SlotRows | None = None
         self._sampled: SlotRows | None = None
         # vLLM's stacked weights as the kernels take them, made once per tensor (they
-        # live as long as the model); each entry keeps its tensor, so its id is never
-        # reused: [tensor, view, 16-bit kinds, copied, copy, version copied]
-        self._views: dict[int, list] = {}
+        # live as long as the model); each entry keeps its tensor, so its id is never reused
+        self._views: dict[int, _Stacked] = {}
 
     # -- per step ---------------------------------------------------------------------------
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
@@ -163,31 +189,19 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         """
         if t.device.type != "cpu" or not t.is_contiguous():
             raise _Fallback
-        hit = self._views.get(id(t))
-        if hit is None or hit[0] is not t:
-            view = _array(t, kinds := [])
-            view = view.reshape(view.shape[0], view.shape[-2], view.shape[-1])
-            try:
-                t._version
-                cached = transpose or t.dtype != torch.float32
-            except RuntimeError:
-                cached = False
-            hit = self._views[id(t)] = [t, view, kinds, cached, None, -1]
-        _, view, kinds, cached, copy, seen = hit
-        if not cached:
-            for kind in kinds:
+        entry = self._views.get(id(t))
+        if entry is None or entry.tensor is not t:
+            entry = self._views[id(t)] = _Stacked(t, transpose)
+        if entry.copy is None:
+            for kind in entry.kinds:
                 if kind not in half:
                     half.append(kind)
-            return view, False
-        if seen != t._version:
-            src = t.detach().reshape(view.shape)
-            if transpose:
-                src = src.transpose(1, 2)
-            if copy is None:
-                copy = hit[4] = np.empty(tuple(src.shape), np.float32)
-            torch.from_numpy(copy).copy_(src)
-            hit[5] = t._version
-        return copy, transpose
+            return entry.view, False
+        if entry.version != t._version:
+            src = t.detach().reshape(entry.view.shape)
+            torch.from_numpy(entry.copy).copy_(src.transpose(1, 2) if transpose else src)
+            entry.version = t._version
+        return entry.copy, transpose
 
     def _b(self, t: torch.Tensor, half: list) -> tuple[dict, int, int]:
         """A stacked ``B`` as ``apply_slots``' keyword (``b`` or ``bt``), with its ``d_out`` and rank."""
