@@ -154,3 +154,42 @@ def test_stop_strings_seeds_and_top_p(files):
                         [Request(ids, 8, 1.3, 0.9, seed=7)] * 2)[0]) for _ in range(2)]
     assert sampled[0] == sampled[1]  # seeded: the same text every time, on every row
     assert sampled[0][0] == sampled[0][1]
+
+
+class _Bytes:
+    """A byte-level tokenizer: token t is the byte t, so a character may span tokens."""
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+
+class _NoModel:
+    def forward(self, input_ids=None, past_key_values=None):
+        raise AssertionError("not called")
+
+
+def _feed(text, stop=(), max_tokens=1000):
+    """Feed ``text``'s UTF-8 bytes to the engine token by token: the deltas and the finish reason."""
+    batch = Batch(_NoModel(), _Bytes(), None, 0, [], True)
+    live, = batch.admit([None], [Request([1], max_tokens, 0.0, stop=stop)])
+    deltas, reason = [], None
+    for byte in text.encode("utf-8"):
+        delta, reason = batch._report(live, byte)
+        deltas.append(delta)
+        if reason is not None:
+            break
+    return deltas, reason
+
+
+def test_text_is_decoded_a_window_at_a_time_and_never_splits_a_character():
+    text = "naïve café — 日本語 🙂 ok"
+    deltas, reason = _feed(text, max_tokens=len(text.encode()))
+    assert "".join(deltas) == text and reason == "length"
+    assert not any("\ufffd" in d for d in deltas)  # a partial character is held back
+
+
+@pytest.mark.parametrize("stop", ["日本", "é —", "🙂 o", "ok"])
+def test_a_stop_spanning_tokens_and_characters_ends_the_text_before_it(stop):
+    text = "naïve café — 日本語 🙂 ok and more"
+    deltas, reason = _feed(text, stop=[stop, "zzz-never"])
+    assert reason == "stop" and "".join(deltas) == text[:text.index(stop)]
