@@ -31,7 +31,8 @@ MODULES = {
     "_rows": {},
     "_load": {},
     # LoRA over stacked per-slot factors (the layout serving engines keep)
-    "_stacked": {},
+    # dlsym/dladdr (finding the OpenMP runtime already loaded): in libdl before glibc 2.34
+    "_stacked": {"libraries": ["dl"] if sys.platform.startswith("linux") else []},
     "_testing": {},
 }
 

@@ -119,43 +119,119 @@ def make_files(workdir, adapters=8):
     return save_model_and_adapters(workdir, [f"a{i}" for i in range(adapters)], size="0.5b")
 
 
-def serve(workdir, modes=("offline", "server"), requests=64, max_tokens=32):
+# (label, dtype, VLLM_CPU_OMP_THREADS_BIND, --max-lora-rank)
+CONFIGS = [
+    ("float32, 1 thread", "float32", "0", 8),
+    ("float32, 2 threads", "float32", "0-1", 8),
+    ("bfloat16, 1 thread", "bfloat16", "0", 8),
+    ("bfloat16, 2 threads", "bfloat16", "0-1", 8),
+    ("bfloat16, 2 threads, --max-lora-rank 64", "bfloat16", "0-1", 64),
+]
+
+
+def _all_cores():
+    n = len(os.sched_getaffinity(0))
+    return "0" if n == 1 else f"0-{n - 1}"
+
+
+def _configs(names):
+    configs = list(CONFIGS)
+    cores = _all_cores()
+    if cores not in ("0", "0-1"):  # a machine with more cores: all of them too
+        configs += [(f"float32, all {len(os.sched_getaffinity(0))} cores", "float32", cores, 8),
+                    (f"bfloat16, all {len(os.sched_getaffinity(0))} cores", "bfloat16", cores, 8)]
+    if names:
+        configs = [c for c in configs if any(n in c[0] for n in names)]
+    return configs
+
+
+def _breakdown(path):
+    """The plugin worker's profile: where a step's LoRA time goes."""
+    import json
+    try:
+        with open(path, encoding="utf-8") as f:
+            prof = json.load(f)
+    except (OSError, ValueError):
+        return "  (no profile written)"
+    steps = max(prof["steps"], 1)
+    lines = [f"  per-step metadata (update_metadata): {prof['metadata_s'] / steps * 1e6:.0f} us "
+             f"a step over {prof['steps']} steps"]
+    total = 0.0
+    for key, (calls, secs) in sorted(prof["calls"].items(), key=lambda kv: -kv[1][1]):
+        if not key.startswith("slot writes"):
+            total += secs
+        lines.append(f"  {key}: {calls} calls, {secs / max(calls, 1) * 1e6:.0f} us a call, "
+                     f"{secs:.2f} s in all")
+    lines.append(f"  LoRA calls in all: {total:.2f} s, metadata {prof['metadata_s']:.2f} s "
+                 "('slot writes': following vLLM's writes of adapters into slots, once per "
+                 "activation)")
+    return "\n".join(lines)
+
+
+def serve(workdir, requests=64, max_tokens=32, configs=None,
+          rounds=3, without_lora=False):
+    """Each configuration: the plugin's engine, its burst with the 8 adapters and without in
+    turn (best of ``rounds`` each), and vLLM's own LoRA kernels (best of ``rounds``)."""
     model_dir, adapter_dir, names = make_files(workdir)
     from vllm_run import launch  # tests/, on the path since make_files
-    results = {}
-    cases = [("lorahook", {}, True, True), ("vllm own", {"VLLM_PLUGINS": "none"}, True, True),
-             ("lorahook, no adapters", {}, True, False),
-             ("vllm own, no adapters", {"VLLM_PLUGINS": "none"}, True, False),
-             ("vllm without --enable-lora", {"VLLM_PLUGINS": "none"}, False, False)]
-    for mode in modes:
-        for label, env, enable, use in cases:
-            spec = dict(mode=mode, model=model_dir, adapters=adapter_dir,
-                        names=names if use else [], enable_lora=enable, requests=requests,
-                        max_tokens=max_tokens, max_loras=8, max_lora_rank=8, bench=True)
-            out, _ = launch(spec, {"VLLM_CPU_KVCACHE_SPACE":
-                                   os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), **env})
-            results[(mode, label)] = out["requests_per_s"]
-            print(f"{mode:8s} {label:28s} {out['requests_per_s']:.2f} requests/s", flush=True)
-    for mode in modes:
-        lh, own = results[(mode, "lorahook")], results[(mode, "vllm own")]
-        base = results[(mode, "lorahook, no adapters")]
-        print(f"{mode}: lorahook / vLLM's own LoRA = {lh / own:.2f}; "
-              f"lorahook / same engine without adapters = {lh / base:.2f}")
-    return results
+    kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+    table = []
+    for label, dtype, bind, max_rank in _configs(configs):
+        base = dict(mode="offline", model=model_dir, adapters=adapter_dir, names=names,
+                    enable_lora=True, requests=requests, max_tokens=max_tokens, max_loras=8,
+                    max_lora_rank=max_rank, bench=True, dtype=dtype, rounds=rounds)
+        env = {"VLLM_CPU_KVCACHE_SPACE": kv, "VLLM_CPU_OMP_THREADS_BIND": bind}
+        prof = os.path.join(workdir, "profile.json")
+        if os.path.exists(prof):
+            os.unlink(prof)
+        ours, _ = launch(base, {**env, "LORAHOOK_VLLM_PROFILE": prof})
+        assert ours["wrapper"].startswith("lorahook"), ours["wrapper"]
+        own, _ = launch({**base, "round_labels": ["adapters"]}, {**env, "VLLM_PLUGINS": "none"})
+        row = dict(config=label, lorahook=max(ours["rounds"]["adapters"]),
+                   base=max(ours["rounds"]["none"]), own=max(own["rounds"]["adapters"]))
+        if without_lora:
+            plain, _ = launch({**base, "enable_lora": False, "names": [],
+                               "round_labels": ["none"]}, {**env, "VLLM_PLUGINS": "none"})
+            row["no_lora"] = max(plain["rounds"]["none"])
+        table.append(row)
+        print(f"{label}: lorahook {row['lorahook']:.2f} / same engine without adapters "
+              f"{row['base']:.2f} / vLLM's own LoRA {row['own']:.2f} requests/s "
+              f"(rounds: lorahook {_fmt(ours['rounds']['adapters'])}, base "
+              f"{_fmt(ours['rounds']['none'])}, own {_fmt(own['rounds']['adapters'])})",
+              flush=True)
+        print(_breakdown(prof), flush=True)
+    print()
+    extra = " | vLLM without --enable-lora" if without_lora else ""
+    print("| configuration | requests/s: lorahook, 8 adapters / same engine, no adapters / "
+          f"vLLM's own LoRA{extra} | lorahook / no adapters | lorahook / vLLM's own |")
+    print("|---|---|---|---|")
+    for r in table:
+        plain = f" / {r['no_lora']:.2f}" if "no_lora" in r else ""
+        print(f"| {r['config']} | {r['lorahook']:.2f} / {r['base']:.2f} / {r['own']:.2f}{plain} | "
+              f"{r['lorahook'] / r['base']:.3f} | {r['lorahook'] / r['own']:.2f} |")
+    return table
+
+
+def _fmt(values):
+    return ", ".join(f"{v:.2f}" for v in values)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["ops", "serve"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--mode", choices=["offline", "server", "both"], default="both")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--config", action="append", default=None,
+                   help="run only the configurations whose label contains this (repeatable)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--without-lora", action="store_true",
+                   help="also time vLLM started without --enable-lora")
     args = p.parse_args()
     if args.what == "ops":
         ops(dtype=args.dtype)
     else:
         workdir = args.workdir or tempfile.mkdtemp(prefix="lorahook-vllm-bench-")
-        serve(workdir, ("offline", "server") if args.mode == "both" else (args.mode,))
+        serve(workdir, configs=args.config, rounds=args.rounds, without_lora=args.without_lora)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ cdef extern from "_scratch.h" nogil:
 cdef enum:
     _SCRATCH_ROWS = 0      # gathered / widened rows and the products' results
     _SCRATCH_WEIGHTS = 1   # one slot's 16-bit factors widened to float32
+    _SCRATCH_PAIRS = 2     # apply_pairs' first products (t), on the calling thread
 
 
 @cython.final
@@ -430,4 +431,287 @@ def apply_slots(SlotRows groups not None, x, y, a=None, b=None, scale=1.0, *, bi
     with nogil:
         rc = _run(&c, hp)
     if rc != 0:
+        raise MemoryError("lorahook could not allocate its scratch buffer")
+
+
+# ---------------------------------------------------------------------------
+# LoRA pairs in the rows' own dtype, on an OpenMP team (_pairs.h)
+# ---------------------------------------------------------------------------
+
+cdef extern from "_pairs.h" nogil:
+    int LH_P_MAX_SLICES
+    int LH_P_COLS
+    ctypedef struct lh_slice:
+        const char *A
+        const char *Bt
+        const int *ranks
+        int rmax
+        int d_out
+        Py_ssize_t col
+        Py_ssize_t t_off
+        Py_ssize_t blocks
+    ctypedef struct lh_pairs:
+        const int *order
+        const Py_ssize_t *starts
+        Py_ssize_t n_slots
+        Py_ssize_t n_covered
+        const char *X
+        Py_ssize_t ldx
+        char *Y
+        Py_ssize_t ldy
+        int d_in
+        int kind
+        int add
+        float scale
+        int n_slices
+        lh_slice slices[8]
+        float *T
+    ctypedef struct lh_team:
+        int n
+        char library[512]
+    ctypedef void (*lh_part_fn)(const lh_pairs *, int, int, void (*)() noexcept nogil) noexcept
+    int lh_team_find(lh_team *t) noexcept
+    lh_part_fn lh_pairs_choose() noexcept
+    const char *lh_pairs_isa_name(lh_part_fn f) noexcept
+    void lh_pairs_run(const lh_pairs *call, const lh_team *team, lh_part_fn part) noexcept
+
+cdef extern from *:
+    """
+    /* the builds this CPU can run, best first (the x86 builds exist only on x86-64) */
+    static int lh_pairs_builds(lh_part_fn *out) {
+        int n = 0;
+        lh_part_fn best = lh_pairs_choose();
+    #if LORAHOOK_HALF_X86
+        if (best == lh_pairs_part_avx512) out[n++] = lh_pairs_part_avx512;
+        if (best == lh_pairs_part_avx512 || best == lh_pairs_part_avx2) out[n++] = lh_pairs_part_avx2;
+    #endif
+        out[n++] = lh_pairs_part_portable;
+        return n;
+    }
+    """
+    int lh_pairs_builds(lh_part_fn *out) noexcept
+
+cdef lh_part_fn _pairs_build = lh_pairs_choose()
+
+
+def pairs_builds():
+    """The builds of the pairs kernel this CPU can run, best first (``'avx512'``, ``'avx2'``, ``'portable'``)."""
+    cdef lh_part_fn found[3]
+    cdef int n = lh_pairs_builds(found), i
+    return tuple(lh_pairs_isa_name(found[i]).decode() for i in range(n))
+
+
+def pairs_build(name=None):
+    """The build :func:`apply_pairs` runs; ``name`` makes another one it (tests, benchmarks).
+
+    Returns the build in force before the call.  ``ValueError`` for a build
+    this CPU cannot run.
+    """
+    global _pairs_build
+    old = lh_pairs_isa_name(_pairs_build).decode()
+    if name is None:
+        return old
+    cdef lh_part_fn found[3]
+    cdef int n = lh_pairs_builds(found), i
+    for i in range(n):
+        if lh_pairs_isa_name(found[i]).decode() == name:
+            _pairs_build = found[i]
+            return old
+    raise ValueError(f"build must be one of {pairs_builds()} on this CPU, got {name!r}")
+
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class Team:
+    """An OpenMP team already running in this process, for :func:`apply_pairs`.
+
+    Made by :func:`openmp_team`; ``n_threads`` threads of that runtime's pool
+    (the pool of the thread that calls) run each call.
+    """
+    cdef lh_team t
+
+    @property
+    def n_threads(self):
+        return self.t.n
+
+    @property
+    def library(self):
+        """The OpenMP runtime's file."""
+        return self.t.library.decode(errors="replace")
+
+    def __repr__(self):
+        return f"Team(n_threads={self.t.n}, library={self.library!r})"
+
+
+def openmp_team(int n_threads):
+    """A :class:`Team` of ``n_threads`` on the OpenMP runtime this process has loaded.
+
+    The runtime in the global scope is preferred (vLLM preloads PyTorch's
+    libgomp into its workers); else one a library loaded (``libgomp.so.1``,
+    ``libiomp5.so``, ``libomp.so``).  Nothing is loaded and no thread is
+    started here: ``None`` when no OpenMP runtime is loaded.
+    """
+    if n_threads < 1 or n_threads > 4096:
+        raise ValueError(f"n_threads must be in [1, 4096], got {n_threads}")
+    cdef Team team = Team.__new__(Team)
+    if lh_team_find(&team.t) != 0:
+        return None
+    team.t.n = n_threads
+    return team
+
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class SlotPairs:
+    """A projection's stacked LoRA pairs, one per output slice, in one dtype.
+
+    ``SlotPairs(a, bt, ranks, half=None)``: three sequences of one to eight
+    arrays each, slice by slice: ``a[i]`` is ``(slots, rmax_i, d_in)``,
+    ``bt[i]`` is ``B`` transposed, ``(slots, rmax_i, d_out_i)``, both
+    C-contiguous, and ``ranks[i]`` an int32 array of ``slots`` values, slot
+    ``s``'s rank ``k`` (its first ``k`` rows of ``a[i][s]`` and ``bt[i][s]``
+    are used, the rest are never read; ``0``: no adapter in that slice).
+    Slice ``i`` writes columns ``[sum(d_out_0 .. d_out_{i-1}), ... + d_out_i)``
+    of the output.  Arrays are float32, float16, or uint16 read as ``half``;
+    every array has the same kind.  The arrays are referred to, not copied:
+    their owner may rewrite them between calls (ranks are checked at every
+    call), never reshape them.
+    """
+    cdef readonly int kind
+    cdef readonly Py_ssize_t n_slots
+    cdef readonly Py_ssize_t d_in
+    cdef readonly Py_ssize_t d_out
+    cdef readonly int n_slices
+    cdef object _refs
+    cdef lh_slice slices[8]
+    cdef Py_ssize_t t_floats   # sum of rmax: t's floats per row
+
+    def __cinit__(self, a, bt, ranks, half=None):
+        cdef int bits = _half_kind(half), i, kind = -1
+        a, bt, ranks = list(a), list(bt), list(ranks)
+        if not 1 <= len(a) <= LH_P_MAX_SLICES or len(bt) != len(a) or len(ranks) != len(a):
+            raise ValueError(f"a, bt and ranks must hold the same number of slices, 1 to "
+                             f"{LH_P_MAX_SLICES}; got {len(a)}, {len(bt)} and {len(ranks)}")
+        self.n_slices = len(a)
+        self.d_out = 0
+        self.t_floats = 0
+        refs = []
+        for i in range(self.n_slices):
+            ai, bi = a[i], bt[i]
+            ka = _weights_kind(ai, f"a[{i}]", bits)
+            kb = _weights_kind(bi, f"bt[{i}]", bits)
+            if i == 0:
+                kind = ka
+                self.n_slots, self.d_in = ai.shape[0], ai.shape[2]
+            if ka != kind or kb != kind:
+                raise TypeError(f"a and bt must share one dtype; a[0] is {a[0].dtype}, a[{i}] "
+                                f"{ai.dtype}, bt[{i}] {bi.dtype}")
+            if ai.shape[0] != self.n_slots or bi.shape[0] != self.n_slots:
+                raise ValueError(f"a[{i}] of shape {ai.shape} and bt[{i}] of shape {bi.shape} "
+                                 f"must hold {self.n_slots} slots (a[0]'s)")
+            if ai.shape[2] != self.d_in:
+                raise ValueError(f"a[{i}] of shape {ai.shape} must have shape[2] == d_in = "
+                                 f"{self.d_in} (a[0]'s)")
+            if bi.shape[1] != ai.shape[1]:
+                raise ValueError(f"a[{i}] of shape {ai.shape} and bt[{i}] of shape {bi.shape} "
+                                 f"must share a rank (a.shape[1] == bt.shape[1])")
+            if ai.shape[1] < 1 or bi.shape[2] < 1 or self.d_in < 1:
+                raise ValueError(f"a[{i}] of shape {ai.shape} and bt[{i}] of shape {bi.shape} "
+                                 f"must have no empty dimension but slots")
+            r = ranks[i]
+            if (not isinstance(r, np.ndarray) or r.dtype != np.int32 or r.ndim != 1
+                    or r.shape[0] != self.n_slots or not r.flags.c_contiguous):
+                raise TypeError(f"ranks[{i}] must be a C-contiguous 1-D int32 array of "
+                                f"{self.n_slots} values, got {type(r).__name__} "
+                                f"{getattr(r, 'dtype', '')} {getattr(r, 'shape', '')}")
+            self.slices[i].A = <const char *>cnp.PyArray_DATA(<cnp.ndarray>ai)
+            self.slices[i].Bt = <const char *>cnp.PyArray_DATA(<cnp.ndarray>bi)
+            self.slices[i].ranks = <const int *>cnp.PyArray_DATA(<cnp.ndarray>r)
+            self.slices[i].rmax = <int>ai.shape[1]
+            self.slices[i].d_out = <int>bi.shape[2]
+            self.slices[i].col = self.d_out
+            self.slices[i].t_off = self.t_floats  # times the rows covered, set per call
+            self.slices[i].blocks = (bi.shape[2] + LH_P_COLS - 1) // LH_P_COLS
+            self.d_out += bi.shape[2]
+            self.t_floats += ai.shape[1]
+            refs.append((ai, bi, r))
+        self.kind = kind
+        self._refs = refs
+
+    def __reduce__(self):
+        raise TypeError("SlotPairs refers to arrays of one process and does not pickle")
+
+    def __repr__(self):
+        return (f"SlotPairs(slices={self.n_slices}, slots={self.n_slots}, d_in={self.d_in}, "
+                f"d_out={self.d_out})")
+
+
+def apply_pairs(SlotRows groups not None, x, y, SlotPairs pairs not None, scale=1.0, *,
+                bint add=True, half=None, Team team=None):
+    """Add each row's slot delta for every slice of ``pairs`` to ``y`` in place.
+
+    For every slice ``i`` and row ``r`` of slot ``s`` with rank ``k``:
+    ``y[r, cols_i] += scale * bt[i][s][:k].T @ (a[i][s][:k] @ x[r])`` (or
+    ``=`` with ``add=False``, also for ``k == 0``).  Rows without a slot are
+    never read or written.  ``x`` is ``(n, d_in)``, ``y`` ``(n, d_out)``,
+    each with contiguous rows (any row stride), in the pairs' dtype: values
+    are read and written in that dtype, products run in float32, and each
+    output element is rounded once.
+
+    ``team`` (:func:`openmp_team`) runs the call on that many threads of an
+    OpenMP runtime's pool; without one the call runs on the calling thread.
+    The result does not depend on the team's size and is the same from run
+    to run.  The GIL is released while the kernel runs.  ``TypeError`` /
+    ``ValueError`` for bad arguments, raised before anything is written.
+    """
+    cdef int bits = _half_kind(half), i
+    cdef lh_pairs c
+    cdef Py_ssize_t d_in, d_out, s, r, owned = 0
+    cdef int xk = _rows_kind(x, "x", bits, False, groups.n_rows, &d_in, &c.ldx)
+    cdef int yk = _rows_kind(y, "y", bits, True, groups.n_rows, &d_out, &c.ldy)
+    if xk != pairs.kind or yk != pairs.kind:
+        raise TypeError(f"x ({x.dtype}) and y ({y.dtype}) must have the pairs' dtype")
+    if d_in != pairs.d_in:
+        raise ValueError(f"x of shape {x.shape} must have width d_in = {pairs.d_in} (the pairs')")
+    if d_out != pairs.d_out:
+        raise ValueError(f"y of shape {y.shape} must have width d_out = {pairs.d_out} (the "
+                         f"pairs' slices together)")
+    if groups.max_slot >= pairs.n_slots:
+        raise ValueError(f"the pairs hold {pairs.n_slots} slots but a row uses slot "
+                         f"{groups.max_slot}")
+    cdef const int *rk
+    for i in range(pairs.n_slices):
+        rk = pairs.slices[i].ranks
+        for s in range(pairs.n_slots):
+            if rk[s] < 0 or rk[s] > pairs.slices[i].rmax:
+                raise ValueError(f"ranks[{i}][{s}] must be in [0, {pairs.slices[i].rmax}], "
+                                 f"got {rk[s]}")
+    refuse_overlap(<cnp.ndarray>x, <cnp.ndarray>y, "x", "y")
+    if groups.max_slot < 0:
+        return
+    c.order = groups._order
+    c.starts = groups._starts
+    c.n_slots = groups.max_slot + 1
+    c.n_covered = groups._starts[c.n_slots]
+    c.X = <const char *>cnp.PyArray_DATA(<cnp.ndarray>x)
+    c.Y = <char *>cnp.PyArray_DATA(<cnp.ndarray>y)
+    c.d_in = <int>d_in
+    c.kind = pairs.kind
+    c.add = add
+    c.scale = <float>float(scale)
+    c.n_slices = pairs.n_slices
+    for i in range(pairs.n_slices):
+        c.slices[i] = pairs.slices[i]
+        c.slices[i].t_off = pairs.slices[i].t_off * c.n_covered
+    cdef const lh_team *tp = &team.t if team is not None else NULL
+    cdef lh_part_fn part = _pairs_build
+    cdef int own = 0
+    with nogil:
+        c.T = lorahook_scratch_slot(<size_t>(c.n_covered * pairs.t_floats), _SCRATCH_PAIRS,
+                                    &own)
+        if c.T != NULL:
+            lh_pairs_run(&c, tp, part)
+            if own:
+                free(c.T)
+    if c.T == NULL:
         raise MemoryError("lorahook could not allocate its scratch buffer")

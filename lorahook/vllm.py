@@ -25,15 +25,19 @@ never does.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
+import json
 import logging
+import os
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from lorahook._stacked import SlotRows, apply_slots
+from lorahook._stacked import SlotPairs, SlotRows, apply_pairs, apply_slots, openmp_team
 
 __all__ = ["PunicaWrapperLorahook", "register", "QUALNAME"]
 
@@ -148,6 +152,144 @@ class _Stacked:
                                  np.float32)
 
 
+
+_clock = time.perf_counter
+
+
+class _Profile:
+    """Where a worker's LoRA time goes, per projection kind and for the per-step metadata.
+
+    On when ``LORAHOOK_VLLM_PROFILE`` names a file: every 32 steps (and at
+    exit) the worker writes its totals there as JSON, ``{"steps": ...,
+    "metadata_s": ..., "calls": {"linear 896->896+128+128": [calls,
+    seconds], ...}}``.  Off, it costs one ``is None`` test per call.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.steps = 0
+        self.metadata_s = 0.0
+        self.calls: dict = {}
+        atexit.register(self.write)
+
+    @classmethod
+    def from_env(cls) -> "_Profile | None":
+        path = os.environ.get("LORAHOOK_VLLM_PROFILE", "").strip()
+        return cls(path) if path else None
+
+    def step(self, seconds: float) -> None:
+        self.steps += 1
+        self.metadata_s += seconds
+        if self.steps % 32 == 0:
+            self.write()
+
+    def add(self, key, seconds: float) -> None:
+        entry = self.calls.get(key)
+        if entry is None:
+            entry = self.calls[key] = [0, 0.0]
+        entry[0] += 1
+        entry[1] += seconds
+
+    def write(self) -> None:
+        calls = {f"{kind} {d_in}->{'+'.join(map(str, outs))}": v
+                 for (kind, d_in, outs), v in self.calls.items()}
+        with open(self.path, "w", encoding="utf-8") as f:
+            json.dump({"steps": self.steps, "metadata_s": self.metadata_s, "calls": calls}, f)
+
+
+def _half_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor of a served dtype as a numpy view (16-bit kinds as uint16 patterns)."""
+    if t.dtype == torch.float32:
+        return t.detach().numpy()
+    return t.detach().view(torch.int16).numpy().view(np.uint16)
+
+
+def _slot_ranks(a: torch.Tensor, b: torch.Tensor, out: np.ndarray) -> None:
+    """Each slot's real rank, written into ``out``: the last rank row of ``A`` or column of
+    ``B`` that holds a non-zero value, plus one (0 for an empty slot).
+
+    vLLM pads every slot to ``--max-lora-rank`` with zeros; the padding adds
+    nothing to a finite row, so it is never read.
+    """
+    slots, rmax = a.shape[0], a.shape[-2]
+    used = (a.reshape(slots, rmax, -1) != 0).any(dim=2)
+    used |= (b.reshape(slots, -1, rmax) != 0).any(dim=1)
+    steps = torch.arange(1, rmax + 1, dtype=torch.int32)
+    out[:] = (used.to(torch.int32) * steps).amax(dim=1).numpy()
+
+
+class _Pairs:
+    """A projection's stacked ``A`` and ``B`` tensors as :func:`apply_pairs` takes them.
+
+    ``A`` is read in place, in the model's dtype; ``B`` is kept transposed,
+    ``(slots, rank, d_out)``, in the same dtype (about as many bytes as vLLM's
+    own ``B``); each slot's real rank is found from the weights.  The copy and
+    the ranks are made again only when vLLM writes the tensors (it bumps
+    their version counters when it activates an adapter in a slot), never
+    per step.
+    """
+
+    __slots__ = ("a", "b", "bt", "ranks", "versions", "pairs", "dtype", "half", "width", "used")
+
+    def __init__(self, a, b):
+        if isinstance(a, torch.Tensor):
+            a, b = (a,), (b,)
+        a, b = tuple(a), tuple(b)
+        dtype = a[0].dtype
+        for t in (*a, *b):
+            if (t.dtype != dtype or dtype not in (torch.float32, *_HALF) or t.device.type != "cpu"
+                    or t.dim() != 4 or t.shape[1] != 1 or not t.is_contiguous()):
+                raise _Fallback
+            t._version  # noqa: B018 -- made under inference_mode: no counter, no way to follow writes
+        self.a, self.b = a, b
+        self.bt = tuple(torch.empty((t.shape[0], t.shape[3], t.shape[2]), dtype=dtype) for t in b)
+        self.ranks = tuple(np.zeros(t.shape[0], np.int32) for t in a)
+        self.versions = [None] * len(a)
+        self.dtype = dtype
+        self.half = _HALF.get(dtype)
+        self.used = False  # whether any slot has a rank above 0
+        self.width = sum(t.shape[2] for t in b)
+        self.pairs = SlotPairs([_half_view(t).reshape(t.shape[0], t.shape[2], t.shape[3])
+                                for t in a], [_half_view(t) for t in self.bt], self.ranks,
+                               half=self.half)
+
+    def refresh(self) -> bool:
+        """Follow vLLM's writes into the slots: copy ``B`` and find the ranks again.
+
+        True when vLLM had written a slot since the last call.
+        """
+        done = False
+        for i, (a, b) in enumerate(zip(self.a, self.b)):
+            version = (a._version, b._version)
+            if version != self.versions[i]:
+                self.bt[i].copy_(b.detach()[:, 0].transpose(1, 2))
+                _slot_ranks(a.detach(), b.detach(), self.ranks[i])
+                self.versions[i] = version
+                done = True
+        if done:
+            self.used = any(bool(r.any()) for r in self.ranks)
+        return done
+
+
+def _team_threads() -> int:
+    """The threads lorahook's kernels run on in this vLLM worker.
+
+    As many as torch computes on (``torch.get_num_threads()``, which vLLM's
+    CPU worker sets from its thread binding); ``LORAHOOK_VLLM_THREADS``
+    overrides it (``1``: the calling thread only).
+    """
+    raw = os.environ.get("LORAHOOK_VLLM_THREADS", "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"LORAHOOK_VLLM_THREADS must be a positive integer, got {raw!r}")
+        return n
+    return torch.get_num_threads()
+
+
 class PunicaWrapperLorahook(PunicaWrapperCPU):
     """vLLM's CPU punica wrapper with lorahook's grouped kernels behind every method.
 
@@ -166,13 +308,42 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         # vLLM's stacked weights as the kernels take them, made once per tensor (they
         # live as long as the model); each entry keeps its tensor, so its id is never reused
         self._views: dict[int, _Stacked] = {}
+        # a projection's (A, B) tuples as apply_pairs takes them, by the tuple's id
+        # (None: that projection goes the apply_slots way)
+        self._pairs: dict[int, tuple] = {}
+        self._team = None
+        self._threads = 0
+        self.profile = _Profile.from_env()
+
+    def _start_team(self) -> None:
+        """The OpenMP team of torch's threads, found once, at the first step.
+
+        The kernels then run on vLLM's own compute threads; SciPy's BLAS (the
+        way of the calls the pairs kernel does not take) is held to one thread
+        so that no second pool competes with them.
+        """
+        self._threads = _team_threads()
+        if self._threads > 1:
+            self._team = openmp_team(self._threads)
+            if self._team is None:
+                logger.warning("lorahook: no OpenMP runtime is loaded in this vLLM worker; "
+                               "LoRA runs on one thread")
+        from lorahook import threads
+        threads.configure(blas_threads=1)
+        logger.info("lorahook: LoRA runs on %d thread(s)%s", self._threads if self._team else 1,
+                    f" of {self._team.library}" if self._team else "")
 
     # -- per step ---------------------------------------------------------------------------
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
+        t0 = _clock()
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
+        if not self._threads:
+            self._start_team()
         slots = len(lora_index_to_id)
         self._tokens = SlotRows(self.token_lora_indices.numpy(), slots)
         self._sampled = SlotRows(self.sampler_indices.numpy(), slots)
+        if self.profile is not None:
+            self.profile.step(_clock() - t0)
 
     # -- helpers ----------------------------------------------------------------------------
     def _factor(self, t: torch.Tensor, half: list, transpose: bool = False):
@@ -211,21 +382,57 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         return {"b": b}, b.shape[1], b.shape[2]
 
     # -- linear layers ----------------------------------------------------------------------
+    def _pairs_of(self, a, b) -> _Pairs | None:
+        """The pairs of a projection (its tuples of stacked tensors, or one tensor each),
+        made at its first call; ``None`` when they are not served."""
+        # by the layer's own tuple (or tensor), which lives as long as the model and is
+        # kept with its entry, so that its id is not reused while the entry is there
+        got = self._pairs.get(id(a))
+        if got is not None and got[0] is a:
+            return got[1]
+        try:
+            entry = _Pairs(a, b)
+        except (_Fallback, RuntimeError) as exc:
+            logger.debug("lorahook: a projection goes the apply_slots way: %r", exc)
+            entry = None
+        self._pairs[id(a)] = (a, entry)
+        return entry
+
     @_served("_tokens")
     def add_lora_linear(self, rows, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
                         *, buffer=None, **kwargs: Any):
-        half: list = []
-        xa, ya = _rows(x, half), _rows(y, half)
-        calls = []
-        offset = 0
-        for a_t, b_t, size in zip(lora_a_stacked, lora_b_stacked, output_slices, strict=True):
-            b, _, _ = self._b(b_t, half)
-            calls.append((self._factor(a_t, half)[0], b, ya[:, offset:offset + size]))
-            offset += size
-        kind = _kind(half)
-        for a, b, out in calls:
-            apply_slots(rows, xa, out, a, scale=scale, add=kwargs.get("add_inputs", True),
-                        half=kind, **b)
+        t0 = _clock()
+        add = kwargs.get("add_inputs", True)
+        pairs = self._pairs_of(lora_a_stacked, lora_b_stacked)
+        if pairs is not None and x.dtype == y.dtype == pairs.dtype:
+            if pairs.refresh() and self.profile is not None:
+                self.profile.add(("slot writes", x.shape[-1], tuple(output_slices)),
+                                 _clock() - t0)
+                t0 = _clock()
+            kind = "linear"
+            if pairs.used or not add:  # a projection no adapter in the slots touches: done
+                half: list = []
+                xa, ya = _rows(x, half), _rows(y, half)
+                if ya.shape[1] != pairs.width:
+                    raise _Fallback
+                apply_pairs(rows, xa, ya, pairs.pairs, scale, add=add, half=pairs.half,
+                            team=self._team)
+        else:
+            kind = "linear (apply_slots)"
+            half = []
+            xa, ya = _rows(x, half), _rows(y, half)
+            calls = []
+            offset = 0
+            for a_t, b_t, size in zip(lora_a_stacked, lora_b_stacked, output_slices,
+                                      strict=True):
+                b, _, _ = self._b(b_t, half)
+                calls.append((self._factor(a_t, half)[0], b, ya[:, offset:offset + size]))
+                offset += size
+            hk = _kind(half)
+            for a, b, out in calls:
+                apply_slots(rows, xa, out, a, scale=scale, add=add, half=hk, **b)
+        if self.profile is not None:
+            self.profile.add((kind, x.shape[-1], tuple(output_slices)), _clock() - t0)
 
     @_served("_tokens")
     def add_shrink(self, rows, y, x, lora_a_stacked, scale, **kwargs: Any):
@@ -266,13 +473,31 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
     @_served("_sampled")
     def add_lora_logits(self, rows, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
                         **kwargs: Any):
-        half: list = []
-        ya, xa = _rows(y, half), _rows(x, half)
-        a, _ = self._factor(lora_a_stacked, half)
-        b, d_out, _ = self._b(lora_b_stacked, half)
-        if d_out > ya.shape[1]:  # logits padded narrower than the adapter's vocabulary
-            raise _Fallback
-        apply_slots(rows, xa, ya[:, :d_out], a, scale=scale, half=_kind(half), **b)
+        t0 = _clock()
+        pairs = self._pairs_of(lora_a_stacked, lora_b_stacked)
+        if pairs is not None and x.dtype == y.dtype == pairs.dtype:
+            if pairs.refresh() and self.profile is not None:
+                self.profile.add(("slot writes", x.shape[-1], (y.shape[-1],)), _clock() - t0)
+                t0 = _clock()
+            kind = "logits"
+            if pairs.used:
+                half: list = []
+                ya, xa = _rows(y, half), _rows(x, half)
+                if pairs.width > ya.shape[1]:  # logits padded narrower than the vocabulary
+                    raise _Fallback
+                apply_pairs(rows, xa, ya[:, :pairs.width], pairs.pairs, scale, half=pairs.half,
+                            team=self._team)
+        else:
+            kind = "logits (apply_slots)"
+            half = []
+            ya, xa = _rows(y, half), _rows(x, half)
+            a, _ = self._factor(lora_a_stacked, half)
+            b, d_out, _ = self._b(lora_b_stacked, half)
+            if d_out > ya.shape[1]:
+                raise _Fallback
+            apply_slots(rows, xa, ya[:, :d_out], a, scale=scale, half=_kind(half), **b)
+        if self.profile is not None:
+            self.profile.add((kind, x.shape[-1], (y.shape[-1],)), _clock() - t0)
 
     @_served("_sampled")
     def apply_lora_full_linear(self, rows, y, x, weight_stacked, bias_stacked, module_enabled):

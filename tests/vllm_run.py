@@ -51,6 +51,18 @@ def offline(spec):
     inputs = [{"prompt_token_ids": p} for p in prompts]
     if spec.get("bench"):
         llm.generate(inputs[:8], sp, lora_request=reqs[:8], use_tqdm=False)  # warm-up
+    rounds = {}
+    if spec.get("rounds"):
+        # the burst with its adapters and without, in turn, in this one engine
+        plain = [None] * len(reqs)
+        llm.generate(inputs[:8], sp, lora_request=plain[:8], use_tqdm=False)
+        for _ in range(spec["rounds"]):
+            for label, lora in (("adapters", reqs), ("none", plain)):
+                if label not in spec.get("round_labels", ("adapters", "none")):
+                    continue
+                t0 = time.perf_counter()
+                llm.generate(inputs, sp, lora_request=lora, use_tqdm=False)
+                rounds.setdefault(label, []).append(len(prompts) / (time.perf_counter() - t0))
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, lora_request=reqs, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -58,7 +70,7 @@ def offline(spec):
     logprobs = [[sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
                  for step in o.outputs[0].logprobs] for o in outs]
     return dict(tokens=tokens, logprobs=logprobs, requests_per_s=len(prompts) / elapsed,
-                wrapper=current_platform.get_punica_wrapper(), adapters=[r.lora_name if r else None
+                rounds=rounds, wrapper=current_platform.get_punica_wrapper(), adapters=[r.lora_name if r else None
                                                                           for r in reqs])
 
 
@@ -179,8 +191,8 @@ def launch(spec, env=None, timeout=1800):
     full = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     full.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                 VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"),
-                **(env or {}))
+                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
+    full.update(env or {})
     try:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), f.name], env=full,
                               capture_output=True, text=True, timeout=timeout)

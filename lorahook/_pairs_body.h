@@ -1,0 +1,304 @@
+/* One build of the pairs kernel: _pairs.h includes this file once per
+ * instruction set, with LH_P_SUFFIX (the functions' suffix), LH_P_W (float32
+ * values a stripe) and LH_P_ISA (0 portable, 1 AVX2 + F16C, 2 AVX-512)
+ * defined, inside a `#pragma GCC target` region for the vector builds.
+ *
+ * Vectors are GCC vector extensions of LH_P_W floats, which each build lowers
+ * to its own registers; only the float16 conversions name an instruction.
+ * Vectors are never passed by value between functions that are not inlined.
+ */
+#define LH_P_CAT2(a, b) a##_##b
+#define LH_P_CAT(a, b) LH_P_CAT2(a, b)
+#define LH_P_NAME(n) LH_P_CAT(n, LH_P_SUFFIX)
+
+#define VF LH_P_NAME(lh_vf)
+#define VU LH_P_NAME(lh_vu)
+#define VH LH_P_NAME(lh_vh)
+#define LH_P_INLINE static inline __attribute__((always_inline))
+
+typedef float VF __attribute__((vector_size(LH_P_W * 4)));
+typedef uint32_t VU __attribute__((vector_size(LH_P_W * 4)));
+typedef uint16_t VH __attribute__((vector_size(LH_P_W * 2)));
+
+/* LH_P_W values of `kind` at p, as float32 */
+LH_P_INLINE void LH_P_NAME(lh_load)(const char *p, const int kind, VF *out) {
+    if (kind == LH_P_F32) {
+        memcpy(out, p, sizeof(VF));
+    } else if (kind == LH_P_BF16) {
+        VH h;
+        VU u;
+        memcpy(&h, p, sizeof h);
+        u = __builtin_convertvector(h, VU) << 16;
+        memcpy(out, &u, sizeof u);
+    } else {
+#if LH_P_ISA == 2
+        __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        memcpy(out, &f, sizeof f);
+#elif LH_P_ISA == 1
+        __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        memcpy(out, &f, sizeof f);
+#else
+        uint16_t h[LH_P_W];
+        uint32_t u[LH_P_W];
+        int l;
+        memcpy(h, p, sizeof h);
+        for (l = 0; l < LH_P_W; l++)
+            u[l] = lorahook_f16_to_f32_bits(h[l]);
+        memcpy(out, u, sizeof u);
+#endif
+    }
+}
+
+/* v stored at p as LH_P_W values of `kind`, each rounded once to nearest even */
+LH_P_INLINE void LH_P_NAME(lh_store)(char *p, const int kind, const VF *v) {
+    if (kind == LH_P_F32) {
+        memcpy(p, v, sizeof(VF));
+    } else if (kind == LH_P_BF16) {
+        VU u, rounded, quiet, nan;
+        VH h;
+        memcpy(&u, v, sizeof u);
+        rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        quiet = (u >> 16) | 0x0040u;
+        nan = (VU)((u & 0x7FFFFFFFu) > 0x7F800000u);
+        h = __builtin_convertvector((nan & quiet) | (~nan & rounded), VH);
+        memcpy(p, &h, sizeof h);
+    } else {
+#if LH_P_ISA == 2
+        __m512 f;
+        memcpy(&f, v, sizeof f);
+        _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+#elif LH_P_ISA == 1
+        __m256 f;
+        memcpy(&f, v, sizeof f);
+        _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+        uint32_t u[LH_P_W];
+        uint16_t h[LH_P_W];
+        int l;
+        memcpy(u, v, sizeof u);
+        for (l = 0; l < LH_P_W; l++)
+            h[l] = lorahook_f32_bits_to_f16(u[l]);
+        memcpy(p, h, sizeof h);
+#endif
+    }
+}
+
+/* one value of `kind` at element i of p */
+LH_P_INLINE float LH_P_NAME(lh_load1)(const char *p, ptrdiff_t i, const int kind) {
+    if (kind == LH_P_F32)
+        return ((const float *)p)[i];
+    if (kind == LH_P_BF16)
+        return lorahook_f32_from_bits((uint32_t)((const uint16_t *)p)[i] << 16);
+    return lorahook_f32_from_bits(lorahook_f16_to_f32_bits(((const uint16_t *)p)[i]));
+}
+
+LH_P_INLINE void LH_P_NAME(lh_store1)(char *p, ptrdiff_t i, const int kind, float f) {
+    if (kind == LH_P_F32)
+        ((float *)p)[i] = f;
+    else if (kind == LH_P_BF16)
+        ((uint16_t *)p)[i] = lorahook_f32_bits_to_bf16(lorahook_f32_bits(f));
+    else
+        ((uint16_t *)p)[i] = lorahook_f32_bits_to_f16(lorahook_f32_bits(f));
+}
+
+/* The sum of v's lanes, in a fixed tree (halves added until one lane is left). */
+LH_P_INLINE float LH_P_NAME(lh_lanes)(const VF *v) {
+    float h[LH_P_W];
+    int w, l;
+    memcpy(h, v, sizeof h);
+    for (w = LH_P_W / 2; w >= 1; w /= 2)
+        for (l = 0; l < w; l++)
+            h[l] += h[l + w];
+    return h[0];
+}
+
+/* First phase, NB rows (positions p .. p + NB) of slot s, two rows of A at a time:
+   t[position][j] = scale * A[s][j] . x[row] for j below the slot's rank. */
+LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl, ptrdiff_t s,
+                                           ptrdiff_t p, const int NB, const int kind) {
+    const ptrdiff_t es = kind == LH_P_F32 ? 4 : 2;
+    const ptrdiff_t d_in = c->d_in;
+    const char *xr[LH_P_RB1];
+    const char *as = sl->A + s * (ptrdiff_t)sl->rmax * d_in * es;
+    float *t = c->T + sl->t_off + p * (ptrdiff_t)sl->rmax;
+    int b, j, rank = sl->ranks[s];
+    for (b = 0; b < NB; b++)
+        xr[b] = c->X + (ptrdiff_t)c->order[p + b] * c->ldx * es;
+    for (j = 0; j < rank; j += 2) {
+        const int two = j + 1 < rank;   /* else the second row repeats the first, unstored */
+        const char *a0p = as + (ptrdiff_t)j * d_in * es;
+        const char *a1p = two ? a0p + d_in * es : a0p;
+        VF acc0[LH_P_RB1], acc1[LH_P_RB1], a0, a1, xv;
+        float tail0[LH_P_RB1], tail1[LH_P_RB1];
+        ptrdiff_t i = 0;
+        for (b = 0; b < NB; b++) {
+            acc0[b] = (VF){0};
+            acc1[b] = (VF){0};
+            tail0[b] = tail1[b] = 0.0f;
+        }
+        for (; i + LH_P_W <= d_in; i += LH_P_W) {
+            LH_P_NAME(lh_load)(a0p + i * es, kind, &a0);
+            LH_P_NAME(lh_load)(a1p + i * es, kind, &a1);
+            for (b = 0; b < NB; b++) {
+                LH_P_NAME(lh_load)(xr[b] + i * es, kind, &xv);
+                acc0[b] += xv * a0;
+                acc1[b] += xv * a1;
+            }
+        }
+        for (; i < d_in; i++) {
+            float f0 = LH_P_NAME(lh_load1)(a0p, i, kind), f1 = LH_P_NAME(lh_load1)(a1p, i, kind);
+            for (b = 0; b < NB; b++) {
+                float xf = LH_P_NAME(lh_load1)(xr[b], i, kind);
+                tail0[b] += xf * f0;
+                tail1[b] += xf * f1;
+            }
+        }
+        for (b = 0; b < NB; b++) {
+            t[(ptrdiff_t)b * sl->rmax + j] = c->scale * (LH_P_NAME(lh_lanes)(&acc0[b]) + tail0[b]);
+            if (two)
+                t[(ptrdiff_t)b * sl->rmax + j + 1] =
+                    c->scale * (LH_P_NAME(lh_lanes)(&acc1[b]) + tail1[b]);
+        }
+    }
+}
+
+/* Second phase, NB rows (positions p .. p + NB) of slot s, columns [c0, c1) of the
+   slice: y[row, col + c] (+)= sum_j t[position][j] Bt[s][j][c]. */
+LH_P_INLINE void LH_P_NAME(lh_expand_rows)(const lh_pairs *c, const lh_slice *sl, ptrdiff_t s,
+                                           ptrdiff_t p, const int NB, ptrdiff_t c0, ptrdiff_t c1,
+                                           const int kind) {
+    const ptrdiff_t es = kind == LH_P_F32 ? 4 : 2;
+    const ptrdiff_t d_out = sl->d_out;
+    const char *bs = sl->Bt + s * (ptrdiff_t)sl->rmax * d_out * es;
+    const float *t[LH_P_RB2];
+    char *yr[LH_P_RB2];
+    int b, j, rank = sl->ranks[s];
+    ptrdiff_t col = c0;
+    for (b = 0; b < NB; b++) {
+        t[b] = c->T + sl->t_off + (p + b) * (ptrdiff_t)sl->rmax;
+        yr[b] = c->Y + ((ptrdiff_t)c->order[p + b] * c->ldy + sl->col) * es;
+    }
+    for (; col + LH_P_W <= c1; col += LH_P_W) {
+        VF acc[LH_P_RB2], bv, yv;
+        for (b = 0; b < NB; b++)
+            acc[b] = (VF){0};
+        for (j = 0; j < rank; j++) {
+            LH_P_NAME(lh_load)(bs + ((ptrdiff_t)j * d_out + col) * es, kind, &bv);
+            for (b = 0; b < NB; b++)
+                acc[b] += t[b][j] * bv;
+        }
+        for (b = 0; b < NB; b++) {
+            if (c->add) {
+                LH_P_NAME(lh_load)(yr[b] + col * es, kind, &yv);
+                acc[b] = yv + acc[b];
+            }
+            LH_P_NAME(lh_store)(yr[b] + col * es, kind, &acc[b]);
+        }
+    }
+    for (; col < c1; col++) {
+        for (b = 0; b < NB; b++) {
+            float acc = 0.0f;
+            for (j = 0; j < rank; j++)
+                acc += t[b][j] * LH_P_NAME(lh_load1)(bs, (ptrdiff_t)j * d_out + col, kind);
+            if (c->add)
+                acc = LH_P_NAME(lh_load1)(yr[b], col, kind) + acc;
+            LH_P_NAME(lh_store1)(yr[b], col, kind, acc);
+        }
+    }
+}
+
+/* Rows [lo, hi) of slot s through a phase, in blocks of 8 (second phase), 4, 2 and 1:
+   each block size is a constant, so its accumulators stay in registers. */
+LH_P_INLINE void LH_P_NAME(lh_shrink_span)(const lh_pairs *c, const lh_slice *sl, ptrdiff_t s,
+                                           ptrdiff_t lo, ptrdiff_t hi, const int kind) {
+    ptrdiff_t p = lo;
+    for (; p + 4 <= hi; p += 4)
+        LH_P_NAME(lh_shrink_rows)(c, sl, s, p, 4, kind);
+    if (p + 2 <= hi) {
+        LH_P_NAME(lh_shrink_rows)(c, sl, s, p, 2, kind);
+        p += 2;
+    }
+    if (p < hi)
+        LH_P_NAME(lh_shrink_rows)(c, sl, s, p, 1, kind);
+}
+
+LH_P_INLINE void LH_P_NAME(lh_expand_span)(const lh_pairs *c, const lh_slice *sl, ptrdiff_t s,
+                                           ptrdiff_t lo, ptrdiff_t hi, ptrdiff_t c0,
+                                           ptrdiff_t c1, const int kind) {
+    ptrdiff_t p = lo;
+    for (; p + 8 <= hi; p += 8)
+        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 8, c0, c1, kind);
+    if (p + 4 <= hi) {
+        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 4, c0, c1, kind);
+        p += 4;
+    }
+    if (p + 2 <= hi) {
+        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 2, c0, c1, kind);
+        p += 2;
+    }
+    if (p < hi)
+        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 1, c0, c1, kind);
+}
+
+/* The share `part` of `parts` of a call, for one element kind. */
+LH_P_INLINE void LH_P_NAME(lh_pairs_part_k)(const lh_pairs *c, int part, int parts,
+                                            void (*barrier)(void), const int kind) {
+    ptrdiff_t n = c->n_covered, s, p0, p1, blocks = 0, g0, g1, first = 0;
+    int i;
+    /* first phase: this part's covered rows, slot by slot */
+    p0 = n * part / parts;
+    p1 = n * (part + 1) / parts;
+    for (i = 0; i < c->n_slices; i++) {
+        const lh_slice *sl = &c->slices[i];
+        for (s = 0; s < c->n_slots; s++) {
+            ptrdiff_t lo = c->starts[s] > p0 ? c->starts[s] : p0;
+            ptrdiff_t hi = c->starts[s + 1] < p1 ? c->starts[s + 1] : p1;
+            if (sl->ranks[s] == 0)
+                continue;
+            if (lo < hi)
+                LH_P_NAME(lh_shrink_span)(c, sl, s, lo, hi, kind);
+        }
+    }
+    if (parts > 1)
+        barrier();  /* every t is written before any output is */
+    /* second phase: this part's blocks of columns, over the slices one after another */
+    for (i = 0; i < c->n_slices; i++)
+        blocks += c->slices[i].blocks;
+    g0 = blocks * part / parts;
+    g1 = blocks * (part + 1) / parts;
+    for (i = 0; i < c->n_slices; first += c->slices[i].blocks, i++) {
+        const lh_slice *sl = &c->slices[i];
+        ptrdiff_t b0 = g0 - first, b1 = g1 - first, c0, c1;
+        if (b0 < 0) b0 = 0;
+        if (b1 > sl->blocks) b1 = sl->blocks;
+        if (b0 >= b1)
+            continue;
+        c0 = b0 * LH_P_COLS;
+        c1 = b1 * LH_P_COLS < sl->d_out ? b1 * LH_P_COLS : sl->d_out;
+        for (s = 0; s < c->n_slots; s++) {
+            ptrdiff_t lo = c->starts[s], hi = c->starts[s + 1];
+            if (sl->ranks[s] == 0 && c->add)
+                continue;  /* nothing to add; with add == 0 the rows get zeros */
+            if (lo < hi)
+                LH_P_NAME(lh_expand_span)(c, sl, s, lo, hi, c0, c1, kind);
+        }
+    }
+}
+
+static void LH_P_NAME(lh_pairs_part)(const lh_pairs *c, int part, int parts,
+                                     void (*barrier)(void)) {
+    if (c->kind == LH_P_BF16)
+        LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_BF16);
+    else if (c->kind == LH_P_F16)
+        LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_F16);
+    else
+        LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_F32);
+}
+
+#undef VF
+#undef VU
+#undef VH
+#undef LH_P_INLINE
+#undef LH_P_NAME
+#undef LH_P_CAT
+#undef LH_P_CAT2

@@ -1,0 +1,256 @@
+"""lorahook._stacked.apply_pairs: stacked LoRA pairs in the rows' dtype, on one thread or a team.
+
+Against numpy in float64, in every dtype and every build of the kernel this
+CPU runs; bit-identical at one, two and three threads and from run to run;
+rows without a slot and rank rows past a slot's rank never touched.
+"""
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lorahook._stacked import (SlotPairs, SlotRows, apply_pairs, openmp_team, pairs_build,
+                               pairs_builds)
+
+RNG = np.random.default_rng(20261205)
+KINDS = [None, "float16", "bfloat16"]
+# per element, against the sum of the magnitudes of its terms: float32 sums, then one
+# rounding to the output's dtype
+TOL = {None: 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+def _team(n):
+    """A team on the OpenMP runtime this process has (torch's, else the system's libgomp)."""
+    team = openmp_team(n)
+    if team is None:
+        try:
+            import torch  # noqa: F401  (loads its OpenMP runtime)
+        except ImportError:
+            try:
+                ctypes.CDLL("libgomp.so.1", mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                pytest.skip("no OpenMP runtime on this machine")
+        team = openmp_team(n)
+    assert team is not None and team.n_threads == n
+    return team
+
+
+@pytest.fixture(params=pairs_builds())
+def build(request):
+    old = pairs_build(request.param)
+    yield request.param
+    pairs_build(old)
+
+
+def _cast(arr, half):
+    """float64 values as arrays of ``half`` (uint16 patterns), and their exact float64 values."""
+    if half is None:
+        a = arr.astype(np.float32)
+        return a, a.astype(np.float64)
+    h = arr.astype(np.float16 if half == "float16" else ml_dtypes.bfloat16)
+    return h.view(np.uint16), h.astype(np.float64)
+
+
+def _problem(half, n_rows, d_in, outs, n_slots=5, rmax=12, pad=np.nan):
+    """Stacked pairs whose rank rows past each slot's rank hold ``pad``; rows, an output."""
+    a, a64, bt, bt64, ranks = [], [], [], [], []
+    for d_out in outs:
+        r = RNG.integers(0, rmax + 1, n_slots).astype(np.int32)
+        r[0] = rmax  # one slot at the full rank
+        ai = RNG.standard_normal((n_slots, rmax, d_in)) * 0.3
+        bi = RNG.standard_normal((n_slots, rmax, d_out)) * 0.3
+        for s in range(n_slots):
+            ai[s, r[s]:], bi[s, r[s]:] = pad, pad
+        for src, lo, hi in ((ai, a, a64), (bi, bt, bt64)):
+            v, v64 = _cast(src, half)
+            lo.append(v)
+            hi.append(v64)
+        ranks.append(r)
+    slots = RNG.integers(-1, n_slots, size=n_rows)
+    x, x64 = _cast(RNG.standard_normal((n_rows, d_in)), half)
+    wide = RNG.standard_normal((n_rows, sum(outs) + 7))
+    wide[slots < 0] = np.nan  # rows without a slot: never written
+    y, y64 = _cast(wide, half)
+    return SlotPairs(a, bt, ranks, half=half), (a64, bt64, ranks), slots, x, x64, y, y64
+
+
+def _reference(slots, x64, y64, ref, outs, scale, add, col=3, magnitude=False):
+    """The expected output in float64 (or, with ``magnitude``, the sum of its terms' sizes)."""
+    a64, bt64, ranks = ref
+    if magnitude:
+        a64, bt64, x64, y64 = ([abs(v) for v in a64], [abs(v) for v in bt64], abs(x64),
+                               abs(y64))
+    out = y64.copy()
+    off = col
+    for i, d_out in enumerate(outs):
+        for r, s in enumerate(slots):
+            if s < 0:
+                continue
+            k = ranks[i][s]
+            d = scale * (bt64[i][s, :k].T @ (a64[i][s, :k] @ x64[r]))
+            out[r, off:off + d_out] = out[r, off:off + d_out] + d if add else d
+        off += d_out
+    return out
+
+
+def _widen(y, half):
+    if half is None:
+        return y.astype(np.float64)
+    return y.view(np.float16 if half == "float16" else ml_dtypes.bfloat16).astype(np.float64)
+
+
+@pytest.mark.parametrize("half", KINDS)
+@pytest.mark.parametrize("n_rows, d_in, outs", [(1, 8, [16]), (9, 37, [33, 16, 5]),
+                                                 (70, 96, [64]), (301, 203, [77, 129])])
+@pytest.mark.parametrize("add", [True, False])
+def test_matches_float64_on_every_build_and_team(build, half, n_rows, d_in, outs, add):
+    pairs, ref, slots, x, x64, y, y64 = _problem(half, n_rows, d_in, outs)
+    groups = SlotRows(slots, pairs.n_slots)
+    results = []
+    for team in (None, _team(1), _team(2), _team(3), _team(2)):
+        got = y.copy()
+        apply_pairs(groups, x, got[:, 3:3 + sum(outs)], pairs, 0.75, add=add, half=half,
+                    team=team)
+        results.append(got)
+    for other in results[1:]:  # the same bits on any team, run after run
+        assert np.array_equal(other.view(np.uint8), results[0].view(np.uint8))
+    got = results[0]
+    base = slots < 0
+    assert np.array_equal(got[base].view(np.uint8), y[base].view(np.uint8))
+    for cols in (slice(0, 3), slice(-4, None)):  # columns outside the output view: untouched
+        assert np.array_equal(got[:, cols].view(np.uint8), y[:, cols].view(np.uint8))
+    want = _reference(slots, x64, y64, ref, outs, 0.75, add)
+    mag = _reference(slots, x64, y64, ref, outs, 0.75, add, magnitude=True)
+    cov = ~base
+    err = np.abs(_widen(got, half)[cov] - want[cov])
+    assert np.all(err <= TOL[half] * mag[cov]), (err / mag[cov]).max()
+
+
+@pytest.mark.parametrize("half", KINDS)
+def test_builds_agree(half):
+    # every build computes the same sums in its own order: equal to float32 rounding
+    pairs, ref, slots, x, x64, y, y64 = _problem(half, 40, 131, [48, 19])
+    groups = SlotRows(slots, pairs.n_slots)
+    outs = {}
+    old = pairs_build()
+    try:
+        for name in pairs_builds():
+            pairs_build(name)
+            got = y.copy()
+            apply_pairs(groups, x, got[:, 3:3 + 67], pairs, half=half)
+            outs[name] = _widen(got, half)
+    finally:
+        pairs_build(old)
+    first = next(iter(outs.values()))
+    for got in outs.values():
+        assert np.allclose(got, first, rtol=TOL[half], atol=TOL[half], equal_nan=True)
+
+
+def test_a_slot_costs_its_rank_never_the_padding():
+    # padded rank rows hold NaN: a result without NaN shows they were never read; a slot's
+    # rank 0 leaves its rows alone (add) or writes zeros (add=False)
+    pairs, ref, slots, x, x64, y, y64 = _problem(None, 50, 64, [40], rmax=64)
+    ranks = ref[2][0]
+    ranks[1] = 0
+    slots[:5] = 1
+    y = np.nan_to_num(y)  # rows made slot 1's held the NaN of rows without a slot
+    groups = SlotRows(slots, pairs.n_slots)
+    got = y.copy()
+    apply_pairs(groups, x, got[:, 3:43], pairs)
+    cov = slots >= 0
+    assert np.isfinite(got[cov]).all()
+    assert np.array_equal(got[slots == 1], y[slots == 1])
+    got = y.copy()
+    apply_pairs(groups, x, got[:, 3:43], pairs, add=False)
+    assert (got[slots == 1][:, 3:43] == 0).all()
+
+
+def test_ranks_are_read_at_every_call():
+    pairs, ref, slots, x, x64, y, y64 = _problem(None, 20, 16, [8], rmax=4, pad=0.0)
+    groups = SlotRows(slots, pairs.n_slots)
+    ranks = ref[2][0]
+    ranks[:] = 4
+    full = y.copy()
+    apply_pairs(groups, x, full[:, 3:11], pairs)
+    ranks[:] = 0
+    none = y.copy()
+    apply_pairs(groups, x, none[:, 3:11], pairs)
+    assert np.array_equal(none.view(np.uint8), y.view(np.uint8))
+    ranks[2] = 5  # past the stack's rank: refused before anything is written
+    with pytest.raises(ValueError, match=r"ranks\[0\]\[2\] must be in \[0, 4\], got 5"):
+        apply_pairs(groups, x, none[:, 3:11], pairs)
+    assert np.array_equal(none.view(np.uint8), y.view(np.uint8))
+
+
+def test_refusals_name_what_was_wrong():
+    a = [np.zeros((3, 4, 10), np.float32)]
+    bt = [np.zeros((3, 4, 6), np.float32)]
+    r = [np.full(3, 4, np.int32)]
+    pairs = SlotPairs(a, bt, r)
+    g = SlotRows(np.array([0, 2, -1]), 3)
+    x, y = np.zeros((3, 10), np.float32), np.zeros((3, 6), np.float32)
+    with pytest.raises(TypeError, match="pairs' dtype"):
+        apply_pairs(g, x.astype(np.float16), y, pairs)
+    with pytest.raises(ValueError, match="width d_in = 10"):
+        apply_pairs(g, np.zeros((3, 11), np.float32), y, pairs)
+    with pytest.raises(ValueError, match="width d_out = 6"):
+        apply_pairs(g, x, np.zeros((3, 7), np.float32), pairs)
+    with pytest.raises(ValueError, match="holds 3 slots|hold 3 slots"):
+        apply_pairs(SlotRows(np.array([0, 5, -1]), 6), x, y, pairs)
+    with pytest.raises(ValueError, match="overlap"):
+        buf = np.zeros((3, 16), np.float32)
+        apply_pairs(g, buf[:, :10], buf[:, 4:10], pairs)
+    with pytest.raises(ValueError, match="3 rows"):
+        apply_pairs(g, x[:2], y[:2], pairs)
+    with pytest.raises(TypeError, match=r"ranks\[0\] must be a C-contiguous 1-D int32"):
+        SlotPairs(a, bt, [np.full(3, 4, np.int64)])
+    with pytest.raises(ValueError, match="share a rank"):
+        SlotPairs(a, [np.zeros((3, 5, 6), np.float32)], r)
+    with pytest.raises(ValueError, match="same number of slices, 1 to 8"):
+        SlotPairs(a * 9, bt * 9, r * 9)
+    with pytest.raises(TypeError, match="share one dtype"):
+        SlotPairs(a + [np.zeros((3, 4, 10), np.float16)], bt * 2, r * 2, half="float16")
+    with pytest.raises(ValueError, match="n_threads must be in"):
+        openmp_team(0)
+    with pytest.raises(ValueError, match="build must be one of"):
+        pairs_build("sse9")
+    with pytest.raises(TypeError, match="does not pickle"):
+        import pickle
+        pickle.dumps(pairs)
+
+
+def test_no_thread_and_no_runtime_unless_asked(tmp_path):
+    # a fresh process: importing lorahook and running the kernel on the calling thread
+    # loads no OpenMP runtime and starts no thread; openmp_team finds the runtime only
+    # once something has loaded it
+    code = textwrap.dedent("""
+        import os, numpy as np
+        def threads():
+            return len(os.listdir("/proc/self/task"))
+        def omp():
+            with open("/proc/self/maps") as f:
+                return any(k in f.read() for k in ("libgomp", "libiomp", "libomp"))
+        import scipy.linalg.cython_blas
+        before = threads()
+        import lorahook
+        from lorahook._stacked import SlotPairs, SlotRows, apply_pairs, openmp_team
+        p = SlotPairs([np.ones((2, 3, 8), np.float32)], [np.ones((2, 3, 4), np.float32)],
+                      [np.full(2, 3, np.int32)])
+        y = np.zeros((4, 4), np.float32)
+        apply_pairs(SlotRows(np.array([0, 1, -1, 0]), 2), np.ones((4, 8), np.float32), y, p)
+        assert y[0, 0] == 24.0 and y[2, 0] == 0.0
+        print(threads() - before, omp(), openmp_team(2) is None)
+    """)
+    # run beside nothing: the checkout's source tree would shadow the installed package
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "4"}, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    started, loaded, none = out.stdout.split()
+    assert started == "0"
+    assert none == str(loaded == "False")
