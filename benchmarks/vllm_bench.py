@@ -51,62 +51,83 @@ def _median_pair(f, g, repeat):
     return statistics.median(tf), statistics.median(tg)
 
 
-def ops(repeat=30, dtype="float32"):
+def ops(repeat=30, dtype="float32", threads=2):
+    """One projection's delta: vLLM's torch ops against lorahook's candidates, in alternation.
+
+    lorahook's candidates: ``apply_slots`` (SciPy's BLAS on float32 copies of
+    the weights, on one thread and on OpenBLAS's own pool of ``threads``) and
+    ``apply_pairs`` (weights in the model's dtype, on the calling thread and on
+    a team of ``threads`` of torch's OpenMP pool, the one vLLM computes on).
+    """
     import torch
     from threadpoolctl import threadpool_info, threadpool_limits
     from vllm.lora.ops.torch_ops import bgmv_expand_slice, bgmv_shrink
 
-    from lorahook._stacked import SlotRows, apply_slots
+    from lorahook._stacked import SlotPairs, SlotRows, apply_pairs, apply_slots, openmp_team
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+    team = openmp_team(threads)
     tdt = getattr(torch, dtype)
     half = None if dtype == "float32" else dtype
     rows_out = []
-    with threadpool_limits(1):
-        blas = [f"{i['internal_api']} {i.get('version')} {i.get('architecture')}"
-                for i in threadpool_info() if i.get("user_api") == "blas"]
-        for n, d_in, d_out, rank, adapters in OP_SHAPES:
-            g = torch.Generator().manual_seed(n + d_in)
-            a = (torch.randn(adapters, 1, rank, d_in, generator=g) * 0.05).to(tdt)
-            b = (torch.randn(adapters, 1, d_out, rank, generator=g) * 0.05).to(tdt)
-            x = torch.randn(n, d_in, generator=g).to(tdt)
-            y1 = torch.zeros(n, d_out, dtype=tdt)
-            y2 = torch.zeros(n, d_out, dtype=tdt)
-            idx = torch.arange(n) % adapters
-            idx = idx[torch.randperm(n, generator=g)]
+    blas = [f"{i['internal_api']} {i.get('version')} {i.get('architecture')}"
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+    for n, d_in, d_out, rank, adapters in OP_SHAPES:
+        g = torch.Generator().manual_seed(n + d_in)
+        a = (torch.randn(adapters, 1, rank, d_in, generator=g) * 0.05).to(tdt)
+        b = (torch.randn(adapters, 1, d_out, rank, generator=g) * 0.05).to(tdt)
+        x = torch.randn(n, d_in, generator=g).to(tdt)
+        ys = {k: torch.zeros(n, d_out, dtype=tdt) for k in ("vllm", "slots", "pairs")}
+        idx = torch.arange(n) % adapters
+        idx = idx[torch.randperm(n, generator=g)]
 
-            def torch_ops():
-                buf = torch.zeros(n, rank, dtype=torch.float32)
-                bgmv_shrink(x, a, buf, idx, 1.0)
-                bgmv_expand_slice(buf, b, y1, idx, 0, d_out, True)
+        def torch_ops():
+            buf = torch.zeros(n, rank, dtype=torch.float32)
+            bgmv_shrink(x, a, buf, idx, 1.0)
+            bgmv_expand_slice(buf, b, ys["vllm"], idx, 0, d_out, True)
 
-            def view(t):
-                return t.numpy() if half is None else t.view(torch.int16).numpy().view(np.uint16)
-            # what lorahook.vllm hands the kernel: A as vLLM keeps it (float32 A is not
-            # copied), B transposed once per adapter activation (float32), made here once
-            av = (view(a) if half is None else a.float().numpy()).reshape(adapters, rank, d_in)
-            btv = np.ascontiguousarray(b.float().numpy().reshape(adapters, d_out, rank)
-                                       .transpose(0, 2, 1))
-            xv, yv = view(x), view(y2)
+        def view(t):
+            return t.numpy() if half is None else t.view(torch.int16).numpy().view(np.uint16)
+        # apply_slots as lorahook.vllm ran it before apply_pairs: float32 copies of A (when
+        # 16-bit) and of B transposed, made once per adapter activation (here once)
+        av = (view(a) if half is None else a.float().numpy()).reshape(adapters, rank, d_in)
+        btv = np.ascontiguousarray(b.float().numpy().reshape(adapters, d_out, rank)
+                                   .transpose(0, 2, 1))
+        # apply_pairs: A as vLLM keeps it, B transposed in the model's dtype
+        bt16 = b.reshape(adapters, d_out, rank).transpose(1, 2).contiguous()
+        pairs = SlotPairs([view(a).reshape(adapters, rank, d_in)], [view(bt16)],
+                          [np.full(adapters, rank, np.int32)], half=half)
+        xv = view(x)
+        groups = SlotRows(idx.numpy(), adapters)  # built once per step in vLLM
 
-            def lorahook_op():
-                # the grouping is built once per step in vLLM; here once per call (an upper bound)
-                apply_slots(SlotRows(idx.numpy(), adapters), xv, yv, av, bt=btv, half=half)
+        def slots_op():
+            apply_slots(groups, xv, view(ys["slots"]), av, bt=btv, half=half)
 
-            torch_ops(), lorahook_op()
-            t_v, t_l = _median_pair(torch_ops, lorahook_op, repeat)
-            y1.zero_(), y2.zero_()
-            torch_ops(), lorahook_op()
-            err = float((y1.float() - y2.float()).abs().max() / y1.float().abs().max())
-            rows_out.append(dict(rows=n, d_in=d_in, d_out=d_out, rank=rank, adapters=adapters,
-                                 vllm_us=t_v * 1e6, lorahook_us=t_l * 1e6, ratio=t_l / t_v,
-                                 rel_diff=err))
-    print(f"kernel BLAS: {'; '.join(blas)}; dtype {dtype}; one thread")
-    print("| rows, projection, adapters | vLLM torch ops | lorahook apply_slots | ratio |")
-    print("|---|---|---|---|")
+        def pairs_op(tm):
+            return lambda: apply_pairs(groups, xv, view(ys["pairs"]), pairs, half=half, team=tm)
+
+        times = {}
+        with threadpool_limits(1, user_api="blas"):
+            times["vllm"], times["slots 1"] = _median_pair(torch_ops, slots_op, repeat)
+        with threadpool_limits(threads, user_api="blas"):
+            times["slots pool"] = _median_pair(slots_op, slots_op, repeat)[0]
+        times["pairs 1"], times["pairs team"] = _median_pair(pairs_op(None), pairs_op(team), repeat)
+        for y in ys.values():
+            y.zero_()
+        torch_ops(), slots_op(), pairs_op(team)()
+        ref = ys["vllm"].double()
+        err = max(float((ys[k].double() - ref).abs().max() / ref.abs().max())
+                  for k in ("slots", "pairs"))
+        rows_out.append(dict(rows=n, d_in=d_in, d_out=d_out, rank=rank, adapters=adapters,
+                             rel_diff=err, **{k: v * 1e6 for k, v in times.items()}))
+    print(f"dtype {dtype}; {threads} threads; team: {team}; SciPy BLAS: {'; '.join(blas)}")
+    print(f"| rows, projection, adapters | vLLM torch ops | apply_slots, 1 thread | apply_slots, "
+          f"OpenBLAS pool of {threads} | apply_pairs, 1 thread | apply_pairs, team of {threads} |")
+    print("|---|---|---|---|---|---|")
     for r in rows_out:
         print(f"| {r['rows']} rows {r['d_in']}->{r['d_out']} r{r['rank']}, {r['adapters']} adapters "
-              f"| {r['vllm_us']:.0f} us | {r['lorahook_us']:.0f} us | {r['ratio']:.3f} |")
+              f"| {r['vllm']:.0f} us | {r['slots 1']:.0f} us | {r['slots pool']:.0f} us | "
+              f"{r['pairs 1']:.0f} us | {r['pairs team']:.0f} us |")
     return rows_out
 
 
@@ -220,6 +241,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["ops", "serve"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="ops: the threads of the pooled candidates (default: every core)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--config", action="append", default=None,
                    help="run only the configurations whose label contains this (repeatable)")
@@ -228,7 +251,7 @@ def main():
                    help="also time vLLM started without --enable-lora")
     args = p.parse_args()
     if args.what == "ops":
-        ops(dtype=args.dtype)
+        ops(dtype=args.dtype, threads=args.threads)
     else:
         workdir = args.workdir or tempfile.mkdtemp(prefix="lorahook-vllm-bench-")
         serve(workdir, configs=args.config, rounds=args.rounds, without_lora=args.without_lora)

@@ -23,9 +23,10 @@
  * which GNU libgomp, LLVM libomp and Intel libiomp5 all export): this file
  * finds it, it never loads one, and nothing here starts a thread.
  *
- * Three builds of the kernel, chosen once from what the CPU supports:
- * AVX-512 (16 values a stripe), AVX2 + FMA + F16C (8), and portable C (8,
- * vectorised as the compiler can).
+ * Four builds of the kernel, chosen once from what the CPU supports: AVX-512
+ * with AVX512_BF16 (bfloat16 first products as the CPU's bfloat16 dot products
+ * with float32 sums), AVX-512 (16 values a stripe), AVX2 + FMA + F16C (8), and
+ * portable C (8, vectorised as the compiler can).
  */
 #ifndef LORAHOOK_PAIRS_H
 #define LORAHOOK_PAIRS_H
@@ -55,7 +56,7 @@ typedef struct {
     int rmax;
     int d_out;
     ptrdiff_t col;          /* the slice's first column in y */
-    ptrdiff_t t_off;        /* the slice's t in the scratch: t_off + position * rmax */
+    ptrdiff_t t_off;        /* the slice's t in the scratch: (rmax, n_covered), t[j][position] */
     ptrdiff_t blocks;       /* ceil(d_out / LH_P_COLS) */
 } lh_slice;
 
@@ -158,6 +159,17 @@ static int lh_team_find(lh_team *t) {
 #undef LH_P_W
 #undef LH_P_ISA
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")
+#define LH_P_SUFFIX avx512bf16
+#define LH_P_W 16
+#define LH_P_ISA 3
+#include "_pairs_body.h"
+#undef LH_P_SUFFIX
+#undef LH_P_W
+#undef LH_P_ISA
+#pragma GCC pop_options
 #endif
 
 typedef void (*lh_part_fn)(const lh_pairs *, int, int, void (*)(void));
@@ -169,7 +181,8 @@ static lh_part_fn lh_pairs_choose(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return lh_pairs_part_avx512;
+        return __builtin_cpu_supports("avx512bf16") ? lh_pairs_part_avx512bf16
+                                                     : lh_pairs_part_avx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
         return lh_pairs_part_avx2;
@@ -179,6 +192,7 @@ static lh_part_fn lh_pairs_choose(void) {
 
 static const char *lh_pairs_isa_name(lh_part_fn f) {
 #if LORAHOOK_HALF_X86
+    if (f == lh_pairs_part_avx512bf16) return "avx512bf16";
     if (f == lh_pairs_part_avx512) return "avx512";
     if (f == lh_pairs_part_avx2) return "avx2";
 #endif

@@ -1,7 +1,8 @@
 /* One build of the pairs kernel: _pairs.h includes this file once per
  * instruction set, with LH_P_SUFFIX (the functions' suffix), LH_P_W (float32
  * values a stripe) and LH_P_ISA (0 portable, 1 AVX2 + F16C, 2 AVX-512)
- * defined, inside a `#pragma GCC target` region for the vector builds.
+ * defined, inside a `#pragma GCC target` region for the vector builds (3: AVX-512 with
+ * AVX512_BF16, whose bfloat16 first products are the CPU's bfloat16 dot products).
  *
  * Vectors are GCC vector extensions of LH_P_W floats, which each build lowers
  * to its own registers; only the float16 conversions name an instruction.
@@ -31,7 +32,7 @@ LH_P_INLINE void LH_P_NAME(lh_load)(const char *p, const int kind, VF *out) {
         u = __builtin_convertvector(h, VU) << 16;
         memcpy(out, &u, sizeof u);
     } else {
-#if LH_P_ISA == 2
+#if LH_P_ISA >= 2
         __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         memcpy(out, &f, sizeof f);
 #elif LH_P_ISA == 1
@@ -54,6 +55,26 @@ LH_P_INLINE void LH_P_NAME(lh_store)(char *p, const int kind, const VF *v) {
     if (kind == LH_P_F32) {
         memcpy(p, v, sizeof(VF));
     } else if (kind == LH_P_BF16) {
+#if LH_P_ISA == 3
+        /* VCVTNEPS2BF16: nearest even and quiet NaNs as the rule below, but float32
+           subnormals read as zero; lanes holding one are redone by the rule */
+        __m512 f;
+        __m256i r;
+        __mmask16 sub;
+        memcpy(&f, v, sizeof f);
+        r = (__m256i)_mm512_cvtneps_pbh(f);
+        sub = _mm512_mask_test_epi32_mask(
+            _mm512_testn_epi32_mask(_mm512_castps_si512(f), _mm512_set1_epi32(0x7F800000)),
+            _mm512_castps_si512(f), _mm512_set1_epi32(0x007FFFFF));
+        if (sub) {
+            __m512i x = _mm512_castps_si512(f);
+            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+            __m512i ir = _mm512_srli_epi32(
+                _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+            r = _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_cvtepu16_epi32(r), sub, ir));
+        }
+        _mm256_storeu_si256((__m256i *)p, r);
+#else
         VU u, rounded, quiet, nan;
         VH h;
         memcpy(&u, v, sizeof u);
@@ -62,8 +83,9 @@ LH_P_INLINE void LH_P_NAME(lh_store)(char *p, const int kind, const VF *v) {
         nan = (VU)((u & 0x7FFFFFFFu) > 0x7F800000u);
         h = __builtin_convertvector((nan & quiet) | (~nan & rounded), VH);
         memcpy(p, &h, sizeof h);
+#endif
     } else {
-#if LH_P_ISA == 2
+#if LH_P_ISA >= 2
         __m512 f;
         memcpy(&f, v, sizeof f);
         _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
@@ -113,14 +135,15 @@ LH_P_INLINE float LH_P_NAME(lh_lanes)(const VF *v) {
 }
 
 /* First phase, NB rows (positions p .. p + NB) of slot s, two rows of A at a time:
-   t[position][j] = scale * A[s][j] . x[row] for j below the slot's rank. */
+   t[j][position] = scale * A[s][j] . x[row] for j below the slot's rank. */
 LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl, ptrdiff_t s,
                                            ptrdiff_t p, const int NB, const int kind) {
     const ptrdiff_t es = kind == LH_P_F32 ? 4 : 2;
     const ptrdiff_t d_in = c->d_in;
     const char *xr[LH_P_RB1];
     const char *as = sl->A + s * (ptrdiff_t)sl->rmax * d_in * es;
-    float *t = c->T + sl->t_off + p * (ptrdiff_t)sl->rmax;
+    const ptrdiff_t ld = c->n_covered;  /* t is (rmax, n_covered) per slice: t[j][position] */
+    float *t = c->T + sl->t_off + p;
     int b, j, rank = sl->ranks[s];
     for (b = 0; b < NB; b++)
         xr[b] = c->X + (ptrdiff_t)c->order[p + b] * c->ldx * es;
@@ -136,6 +159,21 @@ LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl
             acc1[b] = (VF){0};
             tail0[b] = tail1[b] = 0.0f;
         }
+#if LH_P_ISA == 3
+        /* bfloat16 pairs multiplied and summed into float32 by the CPU (VDPBF16PS):
+           32 values a step, no widening */
+        if (kind == LH_P_BF16) {
+            for (; i + 32 <= d_in; i += 32) {
+                __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(a0p + i * 2));
+                __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(a1p + i * 2));
+                for (b = 0; b < NB; b++) {
+                    __m512bh xb = (__m512bh)_mm512_loadu_si512((const void *)(xr[b] + i * 2));
+                    acc0[b] = (VF)_mm512_dpbf16_ps((__m512)acc0[b], xb, b0);
+                    acc1[b] = (VF)_mm512_dpbf16_ps((__m512)acc1[b], xb, b1);
+                }
+            }
+        }
+#endif
         for (; i + LH_P_W <= d_in; i += LH_P_W) {
             LH_P_NAME(lh_load)(a0p + i * es, kind, &a0);
             LH_P_NAME(lh_load)(a1p + i * es, kind, &a1);
@@ -154,28 +192,28 @@ LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl
             }
         }
         for (b = 0; b < NB; b++) {
-            t[(ptrdiff_t)b * sl->rmax + j] = c->scale * (LH_P_NAME(lh_lanes)(&acc0[b]) + tail0[b]);
+            t[(ptrdiff_t)j * ld + b] = c->scale * (LH_P_NAME(lh_lanes)(&acc0[b]) + tail0[b]);
             if (two)
-                t[(ptrdiff_t)b * sl->rmax + j + 1] =
+                t[(ptrdiff_t)(j + 1) * ld + b] =
                     c->scale * (LH_P_NAME(lh_lanes)(&acc1[b]) + tail1[b]);
         }
     }
 }
 
 /* Second phase, NB rows (positions p .. p + NB) of slot s, columns [c0, c1) of the
-   slice: y[row, col + c] (+)= sum_j t[position][j] Bt[s][j][c]. */
+   slice: y[row, col + c] (+)= sum_j t[j][position] Bt[s][j][c]. */
 LH_P_INLINE void LH_P_NAME(lh_expand_rows)(const lh_pairs *c, const lh_slice *sl, ptrdiff_t s,
                                            ptrdiff_t p, const int NB, ptrdiff_t c0, ptrdiff_t c1,
                                            const int kind) {
     const ptrdiff_t es = kind == LH_P_F32 ? 4 : 2;
     const ptrdiff_t d_out = sl->d_out;
     const char *bs = sl->Bt + s * (ptrdiff_t)sl->rmax * d_out * es;
-    const float *t[LH_P_RB2];
+    const ptrdiff_t ld = c->n_covered;
+    const float *t = c->T + sl->t_off + p;  /* t[j * ld + b]: row b's j-th first product */
     char *yr[LH_P_RB2];
     int b, j, rank = sl->ranks[s];
     ptrdiff_t col = c0;
     for (b = 0; b < NB; b++) {
-        t[b] = c->T + sl->t_off + (p + b) * (ptrdiff_t)sl->rmax;
         yr[b] = c->Y + ((ptrdiff_t)c->order[p + b] * c->ldy + sl->col) * es;
     }
     for (; col + LH_P_W <= c1; col += LH_P_W) {
@@ -185,7 +223,7 @@ LH_P_INLINE void LH_P_NAME(lh_expand_rows)(const lh_pairs *c, const lh_slice *sl
         for (j = 0; j < rank; j++) {
             LH_P_NAME(lh_load)(bs + ((ptrdiff_t)j * d_out + col) * es, kind, &bv);
             for (b = 0; b < NB; b++)
-                acc[b] += t[b][j] * bv;
+                acc[b] += t[(ptrdiff_t)j * ld + b] * bv;
         }
         for (b = 0; b < NB; b++) {
             if (c->add) {
@@ -199,7 +237,8 @@ LH_P_INLINE void LH_P_NAME(lh_expand_rows)(const lh_pairs *c, const lh_slice *sl
         for (b = 0; b < NB; b++) {
             float acc = 0.0f;
             for (j = 0; j < rank; j++)
-                acc += t[b][j] * LH_P_NAME(lh_load1)(bs, (ptrdiff_t)j * d_out + col, kind);
+                acc += t[(ptrdiff_t)j * ld + b] *
+                       LH_P_NAME(lh_load1)(bs, (ptrdiff_t)j * d_out + col, kind);
             if (c->add)
                 acc = LH_P_NAME(lh_load1)(yr[b], col, kind) + acc;
             LH_P_NAME(lh_store1)(yr[b], col, kind, acc);

@@ -482,8 +482,11 @@ cdef extern from *:
         int n = 0;
         lh_part_fn best = lh_pairs_choose();
     #if LORAHOOK_HALF_X86
-        if (best == lh_pairs_part_avx512) out[n++] = lh_pairs_part_avx512;
-        if (best == lh_pairs_part_avx512 || best == lh_pairs_part_avx2) out[n++] = lh_pairs_part_avx2;
+        int rank = best == lh_pairs_part_avx512bf16 ? 3 : best == lh_pairs_part_avx512 ? 2
+                   : best == lh_pairs_part_avx2 ? 1 : 0;
+        if (rank >= 3) out[n++] = lh_pairs_part_avx512bf16;
+        if (rank >= 2) out[n++] = lh_pairs_part_avx512;
+        if (rank >= 1) out[n++] = lh_pairs_part_avx2;
     #endif
         out[n++] = lh_pairs_part_portable;
         return n;
@@ -495,8 +498,13 @@ cdef lh_part_fn _pairs_build = lh_pairs_choose()
 
 
 def pairs_builds():
-    """The builds of the pairs kernel this CPU can run, best first (``'avx512'``, ``'avx2'``, ``'portable'``)."""
-    cdef lh_part_fn found[3]
+    """The builds of the pairs kernel this CPU can run, best first.
+
+    ``'avx512bf16'`` (bfloat16 first products as the CPU's bfloat16 dot
+    products, float32 sums), ``'avx512'``, ``'avx2'`` (with FMA and F16C),
+    ``'portable'``.
+    """
+    cdef lh_part_fn found[4]
     cdef int n = lh_pairs_builds(found), i
     return tuple(lh_pairs_isa_name(found[i]).decode() for i in range(n))
 
@@ -511,7 +519,7 @@ def pairs_build(name=None):
     old = lh_pairs_isa_name(_pairs_build).decode()
     if name is None:
         return old
-    cdef lh_part_fn found[3]
+    cdef lh_part_fn found[4]
     cdef int n = lh_pairs_builds(found), i
     for i in range(n):
         if lh_pairs_isa_name(found[i]).decode() == name:

@@ -95,6 +95,24 @@ def _rows(t: torch.Tensor, half: list) -> np.ndarray:
     return _array(flat, half)
 
 
+def _rows_as(t: torch.Tensor, half: str | None) -> np.ndarray:
+    """``_rows`` for a tensor whose dtype is known to be served (``half``: its 16-bit kind).
+
+    The per-projection path of the pairs kernel: the fewest torch calls that
+    make a 2-D numpy view, or ``_Fallback``.
+    """
+    if t.dim() != 2:
+        try:
+            t = t.view(-1, t.shape[-1])
+        except RuntimeError:  # strides a flat view cannot express
+            raise _Fallback from None
+    if not t.is_cpu or (t.stride(1) != 1 and t.shape[1] > 1):
+        raise _Fallback
+    if t.requires_grad:
+        t = t.detach()
+    return t.numpy() if half is None else t.view(torch.int16).numpy().view(np.uint16)
+
+
 def _kind(half: list) -> str | None:
     """The one 16-bit kind of a call's arrays (``apply_slots``' ``half``)."""
     if len(half) > 1:
@@ -318,9 +336,10 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
     def _start_team(self) -> None:
         """The OpenMP team of torch's threads, found once, at the first step.
 
-        The kernels then run on vLLM's own compute threads; SciPy's BLAS (the
-        way of the calls the pairs kernel does not take) is held to one thread
-        so that no second pool competes with them.
+        The kernels then run on vLLM's own compute threads.  In a vLLM process
+        the plugin runs, SciPy's BLAS (which serves the calls the pairs kernel
+        does not take) is held to one thread, so that no second pool competes
+        with them; a wrapper made by hand elsewhere changes nothing.
         """
         self._threads = _team_threads()
         if self._threads > 1:
@@ -328,8 +347,10 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
             if self._team is None:
                 logger.warning("lorahook: no OpenMP runtime is loaded in this vLLM worker; "
                                "LoRA runs on one thread")
-        from lorahook import threads
-        threads.configure(blas_threads=1)
+        from vllm.platforms import current_platform
+        if current_platform.get_punica_wrapper() == QUALNAME:  # a vLLM process the plugin runs
+            from lorahook import threads
+            threads.configure(blas_threads=1)
         logger.info("lorahook: LoRA runs on %d thread(s)%s", self._threads if self._team else 1,
                     f" of {self._team.library}" if self._team else "")
 
@@ -411,8 +432,7 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
                 t0 = _clock()
             kind = "linear"
             if pairs.used or not add:  # a projection no adapter in the slots touches: done
-                half: list = []
-                xa, ya = _rows(x, half), _rows(y, half)
+                xa, ya = _rows_as(x, pairs.half), _rows_as(y, pairs.half)
                 if ya.shape[1] != pairs.width:
                     raise _Fallback
                 apply_pairs(rows, xa, ya, pairs.pairs, scale, add=add, half=pairs.half,
@@ -481,8 +501,7 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
                 t0 = _clock()
             kind = "logits"
             if pairs.used:
-                half: list = []
-                ya, xa = _rows(y, half), _rows(x, half)
+                ya, xa = _rows_as(y, pairs.half), _rows_as(x, pairs.half)
                 if pairs.width > ya.shape[1]:  # logits padded narrower than the vocabulary
                     raise _Fallback
                 apply_pairs(rows, xa, ya[:, :pairs.width], pairs.pairs, scale, half=pairs.half,

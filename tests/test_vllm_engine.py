@@ -46,12 +46,12 @@ def run(spec, **env):
     return launch(spec, env, timeout=900)
 
 
-def offline(files, dtype="float32", **env):
+def offline(files, dtype="float32", max_lora_rank=8, **env):
     model_dir, adapters = files
     # max_loras 2 < 5 adapters: slots are reused (LRU) within one generate call
     return run(dict(mode="offline", model=model_dir, adapters=adapters, names=ROWS,
                     prompts=PROMPTS, max_tokens=TOKENS, max_loras=2, max_cpu_loras=5,
-                    dtype=dtype), **env)
+                    dtype=dtype, max_lora_rank=max_lora_rank), **env)
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +94,26 @@ def test_mixed_generate_equals_vllms_own_kernels(float32_runs):
                            theirs["logprobs"][i], 1e-3, f"row {i} ({name})")
 
 
-def test_bfloat16_equals_vllms_own_kernels(files):
-    ours, _ = offline(files, "bfloat16")
-    theirs, _ = offline(files, "bfloat16", VLLM_PLUGINS="none")
+def test_two_threads_and_padded_ranks_equal_vllms_own_kernels(files, float32_runs):
+    # vLLM on two threads, every slot padded to rank 64 for adapters of rank 8: lorahook's
+    # kernels run on vLLM's two OpenMP threads, each slot at its real rank
+    _, (theirs, _) = float32_runs
+    ours, log = offline(files, max_lora_rank=64, VLLM_CPU_OMP_THREADS_BIND="0-1")
     assert ours["wrapper"] == "lorahook.vllm.PunicaWrapperLorahook"
+    assert "lorahook: LoRA runs on 2 thread(s)" in log
+    for i, name in enumerate(ROWS):
+        if name is None:
+            continue
+        assert_same_or_tie(ours["tokens"][i], theirs["tokens"][i], theirs["logprobs"][i], 1e-3,
+                           f"row {i} ({name})")
+
+
+def test_bfloat16_equals_vllms_own_kernels(files):
+    # on two threads: lorahook's kernels split each projection over vLLM's threads
+    ours, log = offline(files, "bfloat16", VLLM_CPU_OMP_THREADS_BIND="0-1")
+    theirs, _ = offline(files, "bfloat16", VLLM_PLUGINS="none", VLLM_CPU_OMP_THREADS_BIND="0-1")
+    assert ours["wrapper"] == "lorahook.vllm.PunicaWrapperLorahook"
+    assert "lorahook: LoRA runs on 2 thread(s)" in log
     exact = 0
     for i, name in enumerate(ROWS):
         if name is None:

@@ -246,3 +246,85 @@ def test_entry_point_is_installed():
     from importlib.metadata import entry_points
     found = [e for e in entry_points(group="vllm.general_plugins") if e.name == "lorahook"]
     assert [e.value for e in found] == ["lorahook.vllm:register"]
+
+
+# --------------------------------------------------------------------------- ranks, threads
+
+def _padded(dtype, gen, rmax=64, rank=8, slices=(40, 8, 8), d_in=48):
+    """Stacked tensors padded to ``rmax`` as vLLM keeps them, slots of rank ``rank``."""
+    a = tuple(torch.zeros(SLOTS, 1, rmax, d_in, dtype=dtype) for _ in slices)
+    b = tuple(torch.zeros(SLOTS, 1, s, rmax, dtype=dtype) for s in slices)
+    for i, s in enumerate(slices):
+        for slot in range(SLOTS):
+            if IDS[slot] is None or (i == 1 and slot == 3):  # slot 3 has no k slice
+                continue
+            a[i][slot, 0, :rank].copy_(_stack((rank, d_in), dtype, gen))
+            b[i][slot, 0, :, :rank].copy_(_stack((s, rank), dtype, gen))
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_slot_padded_to_the_servers_rank_costs_its_own_rank(dtype):
+    gen = torch.Generator().manual_seed(6)
+    slices = (40, 8, 8)
+    a, b = _padded(dtype, gen, slices=slices)
+    x = _stack((len(TOKENS), 48), dtype, gen)
+    y0 = _stack((len(TOKENS), sum(slices)), dtype, gen)
+    ours, theirs = _wrappers(prefill=False)
+    y1, y2 = y0.clone(), y0.clone()
+    ours.add_lora_linear(y1, x, a, b, 1.0, slices)
+    theirs.add_lora_linear(y2, x, a, b, 1.0, slices)
+    covered = [r for r, s in enumerate(_slot_of(TOKENS)) if s >= 0]
+    _close(y1[covered], y2[covered], 2 * _tol(dtype))
+    pairs = ours._pairs_of(a, b)
+    assert [r.tolist() for r in pairs.ranks] == [[8, 0, 8, 8], [8, 0, 8, 0], [8, 0, 8, 8]]
+    # B is kept transposed in the model's dtype, not as a float32 copy
+    assert all(t.dtype == dtype and t.shape == (SLOTS, 64, s) for t, s in zip(pairs.bt, slices))
+    # vLLM activates an adapter of rank 3 in slot 2 (zeroing the slot, then writing it)
+    for i, s in enumerate(slices):
+        a[i][2] = 0
+        b[i][2] = 0
+        a[i][2, 0, :3].copy_(_stack((3, 48), dtype, gen))
+        b[i][2, 0, :, :3].copy_(_stack((s, 3), dtype, gen))
+    y1, y2 = y0.clone(), y0.clone()
+    ours.add_lora_linear(y1, x, a, b, 1.0, slices)
+    theirs.add_lora_linear(y2, x, a, b, 1.0, slices)
+    _close(y1[covered], y2[covered], 2 * _tol(dtype))
+    assert [r.tolist()[2] for r in pairs.ranks] == [3, 3, 3]
+
+
+def test_a_projection_no_adapter_touches_is_left_alone():
+    # vLLM wraps every linear layer; one the adapters do not target holds zeros in all slots
+    a = (torch.zeros(SLOTS, 1, 8, 16),)
+    b = (torch.zeros(SLOTS, 1, 12, 8),)
+    y0 = torch.randn(len(TOKENS), 12)
+    ours, _ = _wrappers(prefill=False)
+    y = y0.clone()
+    ours.add_lora_linear(y, torch.full((len(TOKENS), 16), float("inf")), a, b, 1.0, (12,))
+    assert torch.equal(y, y0)
+    assert not ours._pairs_of(a, b).used
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_threads_give_the_same_bits(monkeypatch, dtype):
+    gen = torch.Generator().manual_seed(7)
+    slices = (40, 8, 8)
+    a, b = _padded(dtype, gen, rmax=16, slices=slices)
+    x = _stack((len(TOKENS), 48), dtype, gen)
+    y0 = _stack((len(TOKENS), sum(slices)), dtype, gen)
+    outs = []
+    for threads in ("1", "2", "2"):
+        monkeypatch.setenv("LORAHOOK_VLLM_THREADS", threads)
+        ours, _ = _wrappers(prefill=True)
+        assert (ours._team.n_threads if ours._team else 1) == int(threads)
+        y = y0.clone()
+        ours.add_lora_linear(y, x, a, b, 0.5, slices)
+        outs.append(y)
+    assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
+    assert torch.equal(outs[1].view(torch.uint8), outs[2].view(torch.uint8))
+
+
+def test_threads_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("LORAHOOK_VLLM_THREADS", "two")
+    with pytest.raises(ValueError, match="LORAHOOK_VLLM_THREADS must be a positive integer"):
+        _wrappers()
