@@ -1,18 +1,24 @@
 """lorahook inside vLLM, measured: per projection, and end to end.
 
-``python benchmarks/vllm_bench.py ops`` times one projection's mixed-adapter
-delta on vLLM's stacked slot tensors: vLLM's CPU torch ops (what its CPU
-punica wrapper runs: ``bgmv_shrink`` + ``bgmv_expand_slice``) against
-lorahook's ``apply_slots`` with the step's ``SlotRows``, one thread each,
-the same data, timed in alternation; medians and their ratio.
+``python benchmarks/vllm_bench.py ops [--dtype bfloat16] [--threads N]`` times
+one projection's mixed-adapter delta on vLLM's stacked slot tensors: vLLM's
+CPU torch ops (what its CPU punica wrapper runs: ``bgmv_shrink`` +
+``bgmv_expand_slice``) against lorahook's candidates -- ``apply_slots`` (BLAS
+on float32 copies, one thread, and OpenBLAS's own pool) and ``apply_pairs``
+(the model's dtype, one thread, and a team of torch's OpenMP threads) -- the
+same data, timed in alternation; medians.
 
-``python benchmarks/vllm_bench.py serve [--mode offline|server]`` starts vLLM on a
-random 0.5B-shaped Llama (hidden 896, 24 layers, MLP 4864, 14 heads, 2 KV
-heads, float32) with 8 PEFT adapters of rank 8 on ``q_proj v_proj o_proj
-down_proj``, one compute thread, and sends 64 requests x 32 greedy tokens:
-offline ``LLM.generate`` and the OpenAI server, each with lorahook, with
-vLLM's own kernels (``VLLM_PLUGINS=none``), the same engine without adapters,
-and vLLM without ``--enable-lora``.  Requests per second.
+``python benchmarks/vllm_bench.py serve [--config TEXT] [--rounds 3]`` starts
+vLLM offline (``LLM.generate``, vLLM's defaults) on a random 0.5B-shaped Llama
+(hidden 896, 24 layers, MLP 4864, 14 heads, 2 KV heads) with 8 PEFT adapters
+of rank 8 on ``q_proj v_proj o_proj down_proj`` and sends 64 requests x 32
+greedy tokens, in float32 and bfloat16, on one and two threads
+(``VLLM_CPU_OMP_THREADS_BIND``; all cores too on a larger machine), and in
+bfloat16 on two threads with ``--max-lora-rank 64``.  Each configuration: one
+engine with lorahook, the burst with its 8 adapters and without them in turn
+(best of the rounds each), and one with vLLM's own kernels
+(``VLLM_PLUGINS=none``).  Requests per second, their ratios, and where the
+plugin's LoRA time went (per projection kind, and the per-step metadata).
 
 Run it with the OpenBLAS overrides of this machine unset, in that command
 only: ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/vllm_bench.py ops``.

@@ -151,6 +151,10 @@ LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl
         const int two = j + 1 < rank;   /* else the second row repeats the first, unstored */
         const char *a0p = as + (ptrdiff_t)j * d_in * es;
         const char *a1p = two ? a0p + d_in * es : a0p;
+        /* the next pair of rows, one line ahead per stripe: a slot's A is read once per
+           call and is seldom in cache (the base weights streamed through since) */
+        const char *next = j + 2 < rank ? a0p + 2 * d_in * es : NULL;
+        const ptrdiff_t next_len = (j + 3 < rank ? 2 : 1) * d_in * es;
         VF acc0[LH_P_RB1], acc1[LH_P_RB1], a0, a1, xv;
         float tail0[LH_P_RB1], tail1[LH_P_RB1];
         ptrdiff_t i = 0;
@@ -164,6 +168,11 @@ LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl
            32 values a step, no widening */
         if (kind == LH_P_BF16) {
             for (; i + 32 <= d_in; i += 32) {
+                if (next != NULL) {
+                    __builtin_prefetch(next + 2 * i, 0, 3);
+                    if (2 * i + d_in * es < next_len)
+                        __builtin_prefetch(next + d_in * es + 2 * i, 0, 3);
+                }
                 __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(a0p + i * 2));
                 __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(a1p + i * 2));
                 for (b = 0; b < NB; b++) {
@@ -175,6 +184,11 @@ LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl
         }
 #endif
         for (; i + LH_P_W <= d_in; i += LH_P_W) {
+            if (next != NULL && (i * es) % 64 < LH_P_W * es) {  /* once per cache line */
+                __builtin_prefetch(next + i * es, 0, 3);
+                if (i * es + d_in * es < next_len)
+                    __builtin_prefetch(next + d_in * es + i * es, 0, 3);
+            }
             LH_P_NAME(lh_load)(a0p + i * es, kind, &a0);
             LH_P_NAME(lh_load)(a1p + i * es, kind, &a1);
             for (b = 0; b < NB; b++) {

@@ -13,12 +13,29 @@ What the wrapper does differently from vLLM's CPU wrapper, whose methods it
 overrides one for one: vLLM's CPU ops copy every token's ``A`` and ``B`` out
 of the stacked slot weights before an ``einsum``.  This wrapper groups the
 step's rows by slot once, in :meth:`~PunicaWrapperLorahook.update_metadata`
-(:class:`lorahook._stacked.SlotRows`), and every projection then runs two
-matrix products per slot on vLLM's own tensors, viewed without a copy
-(:func:`lorahook._stacked.apply_slots`, with the GIL released).  Rows without
-an adapter are never written.  float32, bfloat16 and float16 tensors are
-served; anything else (a mix of two 16-bit kinds, a tensor on another device)
-goes to vLLM's own op for that call.
+(:class:`lorahook._stacked.SlotRows`), and every linear projection (and the
+logits) then runs :func:`lorahook._stacked.apply_pairs` on vLLM's own
+tensors, with the GIL released:
+
+* **in the model's dtype**: ``A`` is read in place; ``B`` is kept transposed
+  in the same dtype; 16-bit rows are read and written as they are, widened in
+  registers, products summed in float32 (or as the CPU's bfloat16 dot
+  products), each output rounded once;
+* **at each slot's own rank**: vLLM pads every slot to ``--max-lora-rank``;
+  a slot's real rank is found when vLLM writes the slot (the tensors' version
+  counters say so), never per step;
+* **on vLLM's threads**: the work is split over a team of
+  ``torch.get_num_threads()`` threads of the OpenMP runtime torch computes on
+  (vLLM preloads it and binds its threads to the cores), so no second pool
+  competes with torch's; ``LORAHOOK_VLLM_THREADS`` sets another count.
+
+The few calls that kernel does not take (a shrink or expand on its own,
+embeddings, classifier heads, mixed dtypes) run
+:func:`lorahook._stacked.apply_slots`.  Rows without an adapter are never
+written.  Anything else (a tensor on another device, a dtype lorahook does not
+serve) goes to vLLM's own op for that call.  ``LORAHOOK_VLLM_PROFILE=FILE``
+makes each worker write where its LoRA time goes (per projection kind, and the
+per-step metadata) to ``FILE`` as JSON.
 
 This is the one module of lorahook that imports vLLM; ``import lorahook``
 never does.
