@@ -674,7 +674,7 @@ def apply_pairs(SlotRows groups not None, x, y, SlotPairs pairs not None, scale=
     """
     cdef int bits = _half_kind(half), i
     cdef lh_pairs c
-    cdef Py_ssize_t d_in, d_out, s, r, owned = 0
+    cdef Py_ssize_t d_in, d_out, s
     cdef int xk = _rows_kind(x, "x", bits, False, groups.n_rows, &d_in, &c.ldx)
     cdef int yk = _rows_kind(y, "y", bits, True, groups.n_rows, &d_out, &c.ldy)
     if xk != pairs.kind or yk != pairs.kind:

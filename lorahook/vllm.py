@@ -103,27 +103,28 @@ def _array(t: torch.Tensor, half: list) -> np.ndarray:
 
 def _rows(t: torch.Tensor, half: list) -> np.ndarray:
     """``t`` as a 2-D ``(rows, width)`` numpy view; never a copy (an output must be written in place)."""
-    try:
-        flat = t.view(-1, t.shape[-1])
-    except RuntimeError:  # strides a flat view cannot express
-        raise _Fallback from None
-    if flat.shape[1] > 1 and flat.stride(1) != 1:  # the kernels take rows of adjacent values
-        raise _Fallback
-    return _array(flat, half)
+    kind = None
+    if t.dtype != torch.float32:
+        kind = _HALF.get(t.dtype)
+        if kind is None:
+            raise _Fallback
+        if kind not in half:
+            half.append(kind)
+    return _rows_as(t, kind)
 
 
 def _rows_as(t: torch.Tensor, half: str | None) -> np.ndarray:
-    """``_rows`` for a tensor whose dtype is known to be served (``half``: its 16-bit kind).
+    """``t`` as a 2-D numpy view, its dtype known to be served (``half``: its 16-bit kind).
 
-    The per-projection path of the pairs kernel: the fewest torch calls that
-    make a 2-D numpy view, or ``_Fallback``.
+    The fewest torch calls that make the view (the pairs kernel's path per
+    projection), or ``_Fallback``; never a copy.
     """
     if t.dim() != 2:
         try:
             t = t.view(-1, t.shape[-1])
         except RuntimeError:  # strides a flat view cannot express
             raise _Fallback from None
-    if not t.is_cpu or (t.stride(1) != 1 and t.shape[1] > 1):
+    if not t.is_cpu or (t.stride(1) != 1 and t.shape[1] > 1):  # rows of adjacent values
         raise _Fallback
     if t.requires_grad:
         t = t.detach()
@@ -232,13 +233,6 @@ class _Profile:
             json.dump({"steps": self.steps, "metadata_s": self.metadata_s, "calls": calls}, f)
 
 
-def _half_view(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor of a served dtype as a numpy view (16-bit kinds as uint16 patterns)."""
-    if t.dtype == torch.float32:
-        return t.detach().numpy()
-    return t.detach().view(torch.int16).numpy().view(np.uint16)
-
-
 def _slot_ranks(a: torch.Tensor, b: torch.Tensor, out: np.ndarray) -> None:
     """Each slot's real rank, written into ``out``: the last rank row of ``A`` or column of
     ``B`` that holds a non-zero value, plus one (0 for an empty slot).
@@ -284,8 +278,8 @@ class _Pairs:
         self.half = _HALF.get(dtype)
         self.used = False  # whether any slot has a rank above 0
         self.width = sum(t.shape[2] for t in b)
-        self.pairs = SlotPairs([_half_view(t).reshape(t.shape[0], t.shape[2], t.shape[3])
-                                for t in a], [_half_view(t) for t in self.bt], self.ranks,
+        self.pairs = SlotPairs([_array(t, []).reshape(t.shape[0], t.shape[2], t.shape[3])
+                                for t in a], [_array(t, []) for t in self.bt], self.ranks,
                                half=self.half)
 
     def refresh(self) -> bool:
