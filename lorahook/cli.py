@@ -540,14 +540,26 @@ def build_parser():
     return parser
 
 
-def cmd_serve(args, out):
-    from . import server
-    # found, not imported: ray reads settings from the environment when it is
-    # imported, which the server sets first
+def _missing_serve_modules():
+    """The modules ``lorahook serve`` needs that are not installed, found without importing any.
+
+    Ray reads settings from the environment when it is imported, which the
+    server sets first; ``find_spec`` of a dotted name imports its parent, so
+    ``ray.serve`` is looked for as a folder of the ``ray`` package instead.
+    """
+    import os
     from importlib.util import find_spec
     missing = [m for m in ("fastapi", "ray", "transformers") if find_spec(m) is None]
-    if not missing and find_spec("ray.serve") is None:
-        missing = ["ray.serve"]
+    if not missing:
+        places = find_spec("ray").submodule_search_locations or []
+        if not any(os.path.isdir(os.path.join(p, "serve")) for p in places):
+            missing = ["ray.serve"]
+    return missing
+
+
+def cmd_serve(args, out):
+    from . import server
+    missing = _missing_serve_modules()
     if missing:
         raise CommandError(f"needs Ray Serve, FastAPI and transformers (no {missing[0]}): "
                            f"pip install 'lorahook[serve]'", EXIT_USAGE) from None

@@ -280,3 +280,15 @@ def test_console_script(fitting):
     assert out.startswith("fits")
     code, out, err = run("--help", command=_script())
     assert code == 0 and "demo" in out
+
+
+def test_serve_checks_for_ray_serve_without_importing_ray(tmp_path):
+    # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported; the server sets it
+    # after this check, so the check must leave ray unimported (a fresh process: pytest's
+    # own may have imported ray already)
+    code = ("import sys; from lorahook.cli import _missing_serve_modules; "
+            "m = _missing_serve_modules(); print(m, 'ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "False", out.stdout
