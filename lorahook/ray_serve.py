@@ -56,10 +56,23 @@ from .adapter import LoraAdapter
 from .adapter_set import AdapterSet
 from .resolver import Load, check_name, check_resolver, identity as resolver_identity, resolve
 
-__all__ = ["batch", "DONE", "Joined", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"]
+__all__ = ["batch", "DONE", "Joined", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease",
+           "head_node_options"]
 
 #: The Ray namespace of the actors :func:`shared_resolver` starts.
 NAMESPACE = "lorahook"
+
+# The resource only the head node of a Ray cluster has.
+_HEAD = "node:__internal_head__"
+
+
+def head_node_options():
+    """Ray actor options that place an actor on the cluster's head node (none if it has no such node).
+
+    What a cluster keeps in one actor survives the loss of any node but the
+    head there; Ray's own cluster-wide actors (Serve's controller) live there too.
+    """
+    return {"resources": {_HEAD: 0.001}} if _HEAD in ray.cluster_resources() else {}
 
 
 # --------------------------------------------------------------------------- multiplexed
@@ -321,7 +334,7 @@ class SharedResolver:
         # Joins the actor if it runs (and then uses its resolver), else starts it.
         handle = _RemoteResolverActor.options(
             name=self._name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-            max_concurrency=self.max_concurrency, num_cpus=0,
+            max_concurrency=self.max_concurrency, num_cpus=0, **head_node_options(),
         ).remote(self._resolver)
         with _HANDLES_LOCK:
             return _HANDLES.setdefault(key, handle)
@@ -418,10 +431,11 @@ def shared_resolver(resolver, *, name="lorahook-adapters"):
     LoraAdapter | path | None``.  The loads run in one detached, threaded
     actor named ``name`` in Ray namespace ``lorahook``, which loads each name
     at most once, concurrent first requests included, and keeps it in Ray's
-    object store.  Every process that resolves a name gets the adapter from
+    object store.  The actor runs on the cluster's head node, so it and the
+    adapters it owns survive the loss of any other node.  Every process that resolves a name gets the adapter from
     there: on one node, all replicas map the same read-only copy (Ray moves
     it once to each other node, and spills it to disk under pressure).  The
-    directory is read on the node the actor runs on.
+    directory is read on the head node.
 
     Pass the result to each replica (``Deployment.bind(shared)``) and use it
     as the replica's set's resolver: ``AdapterSet(capacity_bytes=...,

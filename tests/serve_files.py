@@ -96,15 +96,16 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def start_server(model_dir, adapters, *extra, cwd=None, lines=None):
+def start_server(model_dir, adapters, *extra, cwd=None, lines=None, env=None):
     """A ``lorahook serve`` process; returns ``(process, base URL)`` once it answers.
 
-    Its output lines are appended to ``lines`` (a list) as they come."""
+    Its output lines are appended to ``lines`` (a list) as they come; ``env``
+    adds to its environment."""
     import subprocess
     import sys
     import threading
     port = _free_port()
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "lorahook", "serve", model_dir, "--adapters",
                              adapters, "--port", str(port), *extra],
                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

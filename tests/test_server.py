@@ -92,3 +92,44 @@ def test_a_max_model_len_above_the_model_s_context_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"--max-model-len 129 is more than the model's "
                                          r"context \(128 tokens\)"):
         serve.main(parser().parse_args([str(tmp_path), "--max-model-len", "129"]))
+
+
+# --------------------------------------------------------------------------- Ray Serve's builder
+
+def test_builder_args_parse_as_the_command_line(tmp_path):
+    from lorahook.server.options import parse_builder_args
+    args = parse_builder_args({"model_dir": str(tmp_path), "adapters": str(tmp_path),
+                               "replicas": "2", "max_batch_size": 4, "request_timeout": "7.5",
+                               "allow_runtime_adapters": "true",
+                               "runtime_adapter_root": str(tmp_path), "drain_timeout": 3})
+    want = parser().parse_args([str(tmp_path), "--adapters", str(tmp_path), "--replicas", "2",
+                                "--max-batch-size", "4", "--request-timeout", "7.5",
+                                "--allow-runtime-adapters", "--runtime-adapter-root",
+                                str(tmp_path), "--drain-timeout", "3"])
+    assert vars(args) == vars(want)
+    off = parse_builder_args({"model_dir": str(tmp_path), "allow_runtime_adapters": False})
+    assert off.allow_runtime_adapters is False
+
+
+@pytest.mark.parametrize("args, message", [
+    ({}, "need 'model_dir'"),
+    ({"model_dir": "m", "port": 8001}, "'port' is not an option of the application"),
+    ({"model_dir": "m", "host": "0.0.0.0"}, "'host' is not an option of the application"),
+    ({"model_dir": "m", "max-batch-size": 4}, "unknown option 'max-batch-size'"),
+    ({"model_dir": "m", "replicas": "two"}, "--replicas: invalid int value: 'two'"),
+    ({"model_dir": "m", "dtype": "float64"}, "--dtype: invalid choice: 'float64'"),
+    ({"model_dir": "m", "allow_runtime_adapters": "yes"}, "must be true or false, got 'yes'"),
+])
+def test_builder_args_that_cannot_work_are_refused_by_name(args, message):
+    from lorahook.server.options import parse_builder_args
+    with pytest.raises(ValueError, match=message):
+        parse_builder_args(args)
+    with pytest.raises(TypeError, match="must be a dict, got list"):
+        parse_builder_args([("model_dir", "m")])
+
+
+def test_drain_timeout_is_documented_and_checked(tmp_path):
+    assert "--drain-timeout" in parser().format_help()
+    assert parser().parse_args(["model"]).drain_timeout == 30.0
+    with pytest.raises(ValueError, match="--drain-timeout must be > 0"):
+        serve.main(parser().parse_args([str(tmp_path), "--drain-timeout", "0"]))

@@ -29,10 +29,23 @@ other rows go on); prompts must fit the context (``--max-model-len``);
 bodies, nesting, the queue (``--max-queued-requests``) and each request's
 time (``--request-timeout``) are bounded; an adapter is admitted into a batch
 only when it fits beside the running rows' adapters (``--capacity-bytes``).
+Operated as a server: with ``--address local`` (the default) everything of
+Ray's listens on 127.0.0.1 but Ray Serve's replica gRPC servers (one per
+replica, which Serve binds to all interfaces).  On SIGTERM or SIGINT the
+server drains: new requests get a 503 at once, the admitted ones have
+``--drain-timeout`` seconds to finish, the rest end with an error (an error
+event and ``[DONE]`` for a stream), then the application, Serve and Ray (when
+it started them) stop, and the process exits 0.  A second signal ends the
+drain at once.  With ``--address`` it joins a cluster; what the application
+keeps cluster-wide lives on the head node (:mod:`lorahook.server.state`).
+The same application runs under Ray Serve's own tooling through
+``lorahook.server.app:app_builder``.
+
 ``import lorahook`` never imports this package, and importing it imports only
 the standard library: ray, fastapi, torch and transformers are imported when
-the server starts (:mod:`lorahook.server.app`).  The protocol is
-:mod:`lorahook.server.openai`, the generation :mod:`lorahook.server.engine`.
+the server starts (:mod:`lorahook.server.app`).  The options are
+:mod:`lorahook.server.options`, the protocol :mod:`lorahook.server.openai`,
+the generation :mod:`lorahook.server.engine`.
 """
 import os
 import signal
@@ -40,113 +53,12 @@ import sys
 import threading
 import time
 
-__all__ = ["add_arguments", "main", "DTYPES"]
+from .options import DTYPES, add_arguments, api_key, check_arguments, key_warning, settings_from
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+__all__ = ["add_arguments", "main", "DTYPES", "APP_NAME"]
 
-
-def add_arguments(parser):
-    parser.add_argument("model_dir", metavar="MODEL_DIR",
-                        help="a transformers causal LM and its tokenizer (a local directory)")
-    parser.add_argument("--adapters", metavar="DIR",
-                        help="PEFT adapters, one directory each: <DIR>/<name> is served as "
-                             "model '<name>'")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
-    parser.add_argument("--replicas", type=int, default=1, help="server replicas (1)")
-    parser.add_argument("--capacity-bytes", type=int, default=None,
-                        help="bytes of adapters each replica keeps resident; a request waits "
-                             "until its adapter fits beside the running ones (default: no bound)")
-    parser.add_argument("--max-batch-size", type=int, default=16,
-                        help="requests generated together in one batch (16)")
-    parser.add_argument("--max-adapters", type=int, default=None,
-                        help="distinct adapters in one batch (default: no limit)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="prompt + max_tokens of a request, at most the model's context "
-                             "(default: the model's context)")
-    parser.add_argument("--max-body-bytes", type=int, default=4 << 20,
-                        help="largest request body, bigger ones get 413 (4 MiB)")
-    parser.add_argument("--max-queued-requests", type=int, default=256,
-                        help="requests each replica lets wait for a batch; more get 503 (256)")
-    parser.add_argument("--request-timeout", type=float, default=600.0,
-                        help="seconds a request may take from its arrival; then 504, or an "
-                             "error event for a stream (600)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads of each replica, which reserves that many of Ray's "
-                             "CPUs (default: this machine's CPUs divided among the replicas)")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="the model's dtype (auto: as saved)")
-    parser.add_argument("--address", default="local",
-                        help="Ray: 'local' starts one here on 127.0.0.1 without its dashboard "
-                             "(default), 'auto' or an address joins a cluster")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                             "(visible in a process listing: prefer --api-key-file or "
-                             "LORAHOOK_API_KEY)")
-    parser.add_argument("--api-key-file", metavar="PATH", default=None,
-                        help="read the key from this file (its first line)")
-    parser.add_argument("--allow-runtime-adapters", action="store_true",
-                        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
-                             "(needs --runtime-adapter-root)")
-    parser.add_argument("--runtime-adapter-root", metavar="DIR", default=None,
-                        help="the directory runtime adapters must be under (symlinks followed)")
-    return parser
-
-
-def api_key(args, environ=os.environ):
-    """The key from --api-key, --api-key-file or LORAHOOK_API_KEY (in that order), or None."""
-    if args.api_key is not None and args.api_key_file is not None:
-        raise ValueError("give --api-key or --api-key-file, not both")
-    if args.api_key_file is not None:
-        with open(args.api_key_file, encoding="utf-8") as f:
-            key = f.readline().strip()
-        if not key:
-            raise ValueError(f"--api-key-file {args.api_key_file!r} holds no key")
-        return key
-    key = args.api_key if args.api_key is not None else environ.get("LORAHOOK_API_KEY")
-    if key is not None and not key.strip():
-        raise ValueError("the API key is empty")
-    return None if key is None else key.strip()
-
-
-def check_arguments(args):
-    """Refuse bad settings before Ray starts; returns the API key (or ``None``)."""
-    for name, low in (("replicas", 1), ("max_batch_size", 1), ("port", 1), ("threads", 1),
-                      ("max_adapters", 1), ("capacity_bytes", 0), ("max_model_len", 1),
-                      ("max_body_bytes", 1), ("max_queued_requests", 1)):
-        if getattr(args, name) is not None and getattr(args, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
-    if not args.request_timeout > 0:
-        raise ValueError("--request-timeout must be > 0")
-    if not os.path.isdir(args.model_dir):
-        raise FileNotFoundError(f"MODEL_DIR {args.model_dir!r} is not a directory")
-    if args.adapters and not os.path.isdir(args.adapters):
-        raise FileNotFoundError(f"--adapters {args.adapters!r} is not a directory")
-    if args.allow_runtime_adapters and not args.runtime_adapter_root:
-        raise ValueError("--allow-runtime-adapters needs --runtime-adapter-root DIR (the "
-                         "directory runtime adapters must be under)")
-    if args.runtime_adapter_root and not args.allow_runtime_adapters:
-        raise ValueError("--runtime-adapter-root is for --allow-runtime-adapters")
-    if args.runtime_adapter_root and not os.path.isdir(args.runtime_adapter_root):
-        raise FileNotFoundError(f"--runtime-adapter-root {args.runtime_adapter_root!r} is not "
-                                f"a directory")
-    return api_key(args)
-
-
-def _context(model_dir, max_model_len):
-    """``--max-model-len`` checked against the model's context (read from its config)."""
-    import transformers
-    from .engine import model_context
-    context = model_context(transformers.AutoConfig.from_pretrained(model_dir))
-    if max_model_len is None:
-        if context is None:
-            raise ValueError("the model's config gives no max_position_embeddings: give "
-                             "--max-model-len")
-        return None
-    if context is not None and max_model_len > context:
-        raise ValueError(f"--max-model-len {max_model_len} is more than the model's context "
-                         f"({context} tokens)")
-    return max_model_len
+#: The name of the Ray Serve application ``lorahook serve`` deploys.
+APP_NAME = "lorahook"
 
 
 def _wait_healthy(url, deadline):
@@ -162,29 +74,64 @@ def _wait_healthy(url, deadline):
     return False
 
 
-APP_NAME = "lorahook"
+def _drain(state, seconds, signals, out):
+    """Drain the application: until every replica has no request in flight, at most
+    ``seconds`` (and a margin for the replicas to end what is left), or a second signal."""
+    import ray
+    print(f"lorahook serve: draining (at most {seconds:g} s)", file=out, flush=True)
+    ray.get(state.drain.remote(seconds), timeout=30)
+    end = time.monotonic() + seconds + 5
+    while time.monotonic() < end and len(signals) < 2:
+        if not ray.get(state.busy.remote(), timeout=30):
+            time.sleep(0.5)  # the last events leave Serve's proxy
+            return
+        time.sleep(0.1)
+
+
+def _stop(local, settings):
+    """Stop the application, and Serve and Ray if this process started them."""
+    import ray
+    from ray import serve
+
+    from ..ray_serve import NAMESPACE
+    from .state import state_name
+    try:
+        if local:
+            serve.shutdown()
+        else:  # a joined cluster keeps its other applications
+            serve.delete(APP_NAME)
+            names = [state_name(APP_NAME)]
+            if settings.adapters_dir:
+                names.append(settings.resolver_name)
+            for name in names:
+                try:
+                    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                except ValueError:
+                    pass
+    finally:
+        ray.shutdown()
 
 
 def main(args, out=sys.stdout):
-    """Run the server until SIGINT or SIGTERM; the exit code."""
+    """Run the server until SIGINT or SIGTERM, then drain and stop it; the exit code."""
     key = check_arguments(args)
     local = args.address == "local"
     if local:
         # a single-node Ray on the loopback address, as Ray does on its own on macOS
         # and Windows (read when ray is imported, so set before anything imports it)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
-    max_model_len = _context(args.model_dir, args.max_model_len)
-    if args.allow_runtime_adapters and key is None:
-        print("lorahook serve: warning: runtime adapters are allowed without an API key: anyone "
-              "who can reach the server can load adapters from under "
-              f"{args.runtime_adapter_root}", file=sys.stderr, flush=True)
+    settings = settings_from(args, key)
+    warning = key_warning(settings)
+    if warning:
+        print(f"lorahook serve: warning: {warning}", file=sys.stderr, flush=True)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
 
     from .app import build_app
+    from .state import state_of
 
+    signals = []
     stop = threading.Event()
     if local:  # Ray's own servers on loopback, no dashboard
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
@@ -193,33 +140,26 @@ def main(args, out=sys.stdout):
         ray.init(address=args.address, log_to_driver=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        app = build_app(args.model_dir, args.adapters, replicas=args.replicas,
-                        capacity_bytes=args.capacity_bytes, max_batch_size=args.max_batch_size,
-                        max_adapters=args.max_adapters, dtype=args.dtype, api_key=key,
-                        runtime_root=args.runtime_adapter_root, threads=threads,
-                        max_model_len=max_model_len, max_body_bytes=args.max_body_bytes,
-                        max_queued_requests=args.max_queued_requests,
-                        request_timeout=args.request_timeout)
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
+
+        def on_signal(*_):
+            signals.append(1)
+            stop.set()
+
         # after Ray's own set-up, which installs handlers of its own
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
         url = f"http://{args.host}:{args.port}"
         if not _wait_healthy(url, time.monotonic() + 300):
             raise RuntimeError(f"the server did not answer at {url}/health (each of the "
-                               f"{args.replicas} replicas reserves {threads} of Ray's CPUs: "
-                               f"{ray.cluster_resources().get('CPU', 0):g} in this cluster; "
-                               f"see --threads)")
-        print(f"lorahook serve: {url}/v1 (model '{os.path.basename(os.path.abspath(args.model_dir))}')",
-              file=out, flush=True)
+                               f"{args.replicas} replicas reserves {settings.threads} of Ray's "
+                               f"CPUs: {ray.cluster_resources().get('CPU', 0):g} in this "
+                               f"cluster; see --threads)")
+        print(f"lorahook serve: {url}/v1 (model '{settings.base_id}')", file=out, flush=True)
         while not stop.wait(0.5):
             pass
+        _drain(state_of(APP_NAME), args.drain_timeout, signals, out)
     finally:
-        try:
-            if local:
-                serve.shutdown()
-            else:  # a joined cluster keeps its other applications
-                serve.delete(APP_NAME)
-        finally:
-            ray.shutdown()
+        _stop(local, settings)
+    print("lorahook serve: stopped", file=out, flush=True)
     return 0

@@ -1,0 +1,332 @@
+"""``lorahook serve`` in operation: loopback, draining on SIGTERM, a cluster that loses a node,
+and Ray Serve's own tooling (``serve run`` of a config file, a redeployment under load).
+
+Every server and cluster here runs on this machine on loopback, with bounded
+traffic, and is stopped by its test.  Skips without Ray Serve, torch,
+transformers, PEFT or httpx, unless LORAHOOK_REQUIRE_RAY=1 (as CI sets).
+"""
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from required import need as _need  # noqa: E402
+
+for _module in ("ray.serve", "fastapi", "torch", "transformers", "peft", "tokenizers", "yaml"):
+    _need(_module)
+httpx = _need("httpx")
+psutil = _need("psutil")
+
+import serve_files  # noqa: E402
+from serve_files import start_server  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+PROMPT = "the dog runs over the mat"
+# a model slow enough, and a context long enough, for a stream of several seconds
+SIZE = dict(hidden=128, layers=4, context=4096)
+DRAIN_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("operation")
+    model_dir, adapters = serve_files.save_all(str(tmp), ("alpha", "beta"), **SIZE)
+    _never_ends(model_dir)
+    other = os.path.join(str(tmp), "adapters2")
+    serve_files.save_adapter(os.path.join(other, "alpha"), 100, SIZE)
+    serve_files.save_adapter(os.path.join(other, "delta"), 300, SIZE)
+    runtime = serve_files.save_adapter(os.path.join(str(tmp), "runtime", "rt"), 200,
+                                       SIZE)
+    return dict(tmp=str(tmp), model_dir=model_dir, adapters=adapters, other=other,
+                runtime=runtime, base=os.path.basename(model_dir))
+
+
+def _never_ends(model_dir):
+    """The end-of-sequence token's logit held at 0, below the largest of the others: greedy
+    streams run to ``max_tokens``."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.lm_head.weight[2] = 0
+    model.save_pretrained(model_dir)
+
+
+def _tree(proc):
+    root = psutil.Process(proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _alive(processes):
+    alive = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _stream(url, model, max_tokens, **kw):
+    """A streamed completion: ``(status, events)``; events are parsed JSON or ``"[DONE]"``."""
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=kw.pop("timeout", 120),
+                      json=dict(model=model, prompt=PROMPT, max_tokens=max_tokens,
+                                temperature=0, stream=True, **kw)) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            return resp.status_code, [resp.json()]
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return 200, events
+
+
+def _finished(events):
+    """Whether a stream ended as a completion does: a finish reason, then ``[DONE]``."""
+    return (len(events) >= 2 and events[-1] == "[DONE]" and "error" not in events[-2]
+            and events[-2]["choices"][0]["finish_reason"] in ("stop", "length"))
+
+
+def _complete(url, model, max_tokens=6, timeout=120):
+    r = httpx.post(url + "/v1/completions", timeout=timeout,
+                   json=dict(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0))
+    return r.status_code, r.json()
+
+
+# --------------------------------------------------------------------------- one server, local Ray
+
+
+@pytest.fixture(scope="module")
+def local_server(files):
+    lines = []
+    try:
+        proc, url = start_server(files["model_dir"], files["adapters"], "--replicas", "2",
+                                 "--threads", "1", "--drain-timeout", str(DRAIN_S),
+                                 cwd=files["tmp"], lines=lines)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield dict(proc=proc, url=url, lines=lines)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_nothing_listens_beyond_loopback_but_serve_replica_grpc(local_server):
+    beyond = []
+    replicas = set()
+    for p in _tree(local_server["proc"]):
+        try:
+            title = " ".join(p.cmdline())
+            listening = [c.laddr for c in p.net_connections(kind="inet") if c.status == "LISTEN"]
+        except psutil.Error:
+            continue
+        if "ServeReplica:lorahook:LorahookServer" in title:
+            replicas.add(p.pid)
+        beyond += [(addr.ip, addr.port, title[:80], p.pid) for addr in listening
+                   if addr.ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+    assert len(replicas) == 2
+    # Ray Serve binds each replica's gRPC server to all interfaces, whatever it is told
+    assert [pid for *_, pid in beyond if pid not in replicas] == [], beyond
+    assert sorted(pid for *_, pid in beyond) == sorted(replicas), beyond
+
+
+def test_sigterm_drains_then_stops_with_exit_0(local_server, files):
+    url, proc = local_server["url"], local_server["proc"]
+    processes = _tree(proc)
+    results = {}
+    started = threading.Barrier(3)
+
+    def run(name, model, max_tokens):
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json=dict(model=model, prompt=PROMPT, max_tokens=max_tokens,
+                                    temperature=0, stream=True)) as resp:
+            lines = resp.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    break
+            started.wait(60)  # every stream is decoding before the signal
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+        results[name] = ([e if e == "[DONE]" else json.loads(e) for e in events],
+                         time.monotonic())
+
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        futures = [ex.submit(run, "short", "alpha", 30), ex.submit(run, "long", "beta", 4000)]
+        started.wait(60)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not any("draining" in line for line in local_server["lines"]):
+            assert time.monotonic() < deadline, "".join(local_server["lines"][-20:])
+            time.sleep(0.05)
+        # a new request is refused at once: a 503 error object, or no connection at all
+        try:
+            status, body = _complete(url, "alpha", timeout=30)
+            assert status == 503 and body["error"]["code"] == "shutting_down", body
+        except httpx.ConnectError:
+            pass
+        late = ex.submit(_complete, url, "beta", 4000)  # never admitted either
+        for f in futures:
+            f.result(timeout=120)
+        try:
+            status, body = late.result(timeout=120)
+            assert status == 503, body
+        except httpx.TransportError:
+            pass
+    assert proc.wait(60) == 0
+    stopped = time.monotonic()
+    # the stream admitted before the signal finished as it would have
+    short, _ = results["short"]
+    assert _finished(short), short[-3:]
+    # the one still running when the drain ended got an error event, then [DONE]
+    long, ended = results["long"]
+    assert long[-1] == "[DONE]" and long[-2].get("error", {}).get("code") == "shutting_down", (
+        long[-3:], len(long), ended - signalled)
+    assert DRAIN_S <= ended - signalled < DRAIN_S + 10
+    assert stopped - signalled < DRAIN_S + 30
+    assert any("lorahook serve: stopped" in line for line in local_server["lines"])
+    time.sleep(1.0)
+    assert _alive(processes) == []  # no process of the server's is left behind
+
+
+# --------------------------------------------------------------------------- a cluster of nodes
+
+
+class Driver:
+    """``tests/ray_driver.py`` in a process of its own: a loopback cluster, driven by commands."""
+
+    def __init__(self, nodes, port=None):
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **LOOPBACK)
+        argv = [sys.executable, os.path.join(HERE, "..", "ray_driver.py"), str(nodes)]
+        self.proc = subprocess.Popen(argv + ([str(port)] if port else []), cwd=HERE, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        self.address = self._answer(("address",), 180).split()[1]
+
+    def _answer(self, words, timeout):
+        got = []
+
+        def read():
+            for line in self.proc.stdout:
+                if line.split(" ", 1)[0] in (*words, "error"):
+                    got.append(line.strip())
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        assert got and not got[0].startswith("error"), got or f"no answer in {timeout} s"
+        return got[0]
+
+    def do(self, command, timeout=300):
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        done = {"add": "added", "remove": "removed", "deploy": "deployed"}
+        return self._answer((done[command.split(" ", 1)[0]],), timeout)
+
+    def close(self):
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def _replica_ids(url, key, want, timeout):
+    """Stats from replicas until ``want`` distinct ones have answered (or ``timeout``)."""
+    seen = set()
+    end = time.monotonic() + timeout
+    while len(seen) < want and time.monotonic() < end:
+        try:
+            r = httpx.get(url + "/lorahook/stats", timeout=10,
+                          headers={"Authorization": f"Bearer {key}"})
+            if r.status_code == 200:
+                seen.add(r.json()["replica"])
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    return seen
+
+
+def test_a_cluster_keeps_serving_when_a_node_is_lost(files):
+    key = "sk-cluster"
+    driver = Driver(2)
+    proc = None
+    try:
+        proc, url = start_server(files["model_dir"], files["adapters"], "--address",
+                                 driver.address, "--replicas", "2", "--threads", "1",
+                                 "--api-key", key, "--allow-runtime-adapters",
+                                 "--runtime-adapter-root", files["tmp"], "--request-timeout",
+                                 "60", cwd=files["tmp"], env=LOOPBACK)
+        auth = {"Authorization": f"Bearer {key}"}
+        client = httpx.Client(base_url=url, headers=auth, timeout=120)
+        r = client.post("/v1/load_lora_adapter",
+                        json={"lora_name": "rt", "lora_path": files["runtime"]})
+        assert r.status_code == 200, r.text
+        assert len(_replica_ids(url, key, 2, 60)) == 2  # one replica on each node
+
+        def ask(i):
+            model = ("alpha", "rt", files["base"])[i % 3]
+            r = client.post("/v1/completions", json=dict(model=model, prompt=PROMPT,
+                                                         max_tokens=6, temperature=0))
+            return model, r.status_code, r.json()
+
+        with concurrent.futures.ThreadPoolExecutor(6) as ex:
+            want = {m: body["choices"][0]["text"] for m, status, body in ex.map(ask, range(6))
+                    if status == 200}
+        assert sorted(want) == sorted(("alpha", "rt", files["base"]))
+
+        # the node that is not the head goes while streams run on both replicas
+        def stream(_):
+            start = time.monotonic()
+            try:
+                status, events = _stream(url, "beta", 3000, timeout=90)
+            except httpx.TransportError as exc:
+                return "transport", type(exc).__name__, time.monotonic() - start
+            return status, events[-2:], time.monotonic() - start
+
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            running = [ex.submit(stream, i) for i in range(4)]
+            time.sleep(1.0)
+            driver.do("remove")
+            ended = [f.result(timeout=120) for f in running]
+        # each ended, finished or with an error, well within its deadline: none hung
+        assert all(took < 60 + 5 for *_, took in ended), ended
+
+        # later requests are served by the survivor, runtime adapters included
+        time.sleep(5)
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            after = list(ex.map(ask, range(12)))
+        assert [(m, s) for m, s, _ in after] == [(m, 200) for m, _, _ in after], after
+        assert all(body["choices"][0]["text"] == want[m] for m, _, body in after)
+
+        # a node joins: Serve brings the second replica back on it
+        driver.do("add")
+        assert len(_replica_ids(url, key, 2, 180)) == 2
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            again = list(ex.map(ask, range(8)))
+        assert [s for _, s, _ in again] == [200] * 8, again
+        assert all(body["choices"][0]["text"] == want[m] for m, _, body in again)
+        assert serve_files.stop_server(proc) == 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        driver.close()
