@@ -8,6 +8,7 @@ transformers, PEFT or httpx, unless LORAHOOK_REQUIRE_RAY=1 (as CI sets).
 import concurrent.futures
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -215,29 +216,33 @@ class Driver:
         argv = [sys.executable, os.path.join(HERE, "..", "ray_driver.py"), str(nodes)]
         self.proc = subprocess.Popen(argv + ([str(port)] if port else []), cwd=HERE, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
-        self.address = self._answer(("address",), 180).split()[1]
+                                     stderr=subprocess.STDOUT, text=True)
+        self.answers = queue.Queue()
+        self.lines = []
+        # every line is read as it comes (a full pipe would stop the driver)
+        threading.Thread(target=self._read, daemon=True).start()
+        self.address = self._answer("address", 180, "start").split()[1]
 
-    def _answer(self, words, timeout):
-        got = []
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.split()[:1] in (["address"], ["added"], ["removed"], ["deployed"], ["error"]):
+                self.answers.put(line.strip())
 
-        def read():
-            for line in self.proc.stdout:
-                if line.split(" ", 1)[0] in (*words, "error"):
-                    got.append(line.strip())
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout)
-        assert got and not got[0].startswith("error"), got or f"no answer in {timeout} s"
-        return got[0]
+    def _answer(self, word, timeout, command):
+        try:
+            got = self.answers.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"{command}: no answer in {timeout} s; the driver said:\n"
+                                 + "".join(self.lines[-30:])) from None
+        assert got.split()[0] == word, (command, got)
+        return got
 
     def do(self, command, timeout=300):
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         done = {"add": "added", "remove": "removed", "deploy": "deployed"}
-        return self._answer((done[command.split(" ", 1)[0]],), timeout)
+        return self._answer(done[command.split(" ", 1)[0]], timeout, command[:40])
 
     def close(self):
         try:
@@ -305,7 +310,7 @@ def test_a_cluster_keeps_serving_when_a_node_is_lost(files):
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
             running = [ex.submit(stream, i) for i in range(4)]
             time.sleep(1.0)
-            driver.do("remove")
+            driver.do("remove", 90)
             ended = [f.result(timeout=120) for f in running]
         # each ended, finished or with an error, well within its deadline: none hung
         assert all(took < 60 + 5 for *_, took in ended), ended
