@@ -335,3 +335,107 @@ def test_a_cluster_keeps_serving_when_a_node_is_lost(files):
             proc.kill()
             proc.wait(30)
         driver.close()
+
+
+# --------------------------------------------------------------------------- Ray Serve's tooling
+
+
+def _config(files, port, adapters):
+    """A Serve config file as the README gives it, for this machine."""
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{
+            "name": "lorahook", "route_prefix": "/",
+            "import_path": "lorahook.server.app:app_builder",
+            "args": {"model_dir": files["model_dir"], "adapters": adapters, "replicas": 1,
+                     "threads": 1, "drain_timeout": 30},
+        }],
+    }
+
+
+def _healthy(url, timeout):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def test_serve_run_of_a_config_file_serves_the_adapters(files, tmp_path):
+    import yaml
+    port = serve_files._free_port()
+    config = tmp_path / "lorahook.yaml"
+    config.write_text(yaml.safe_dump(_config(files, port, files["adapters"])))
+    serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **LOOPBACK)
+    proc = subprocess.Popen([serve_cli, "run", str(config)], cwd=str(tmp_path), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert _healthy(url, 300), "serve run did not answer"
+        import transformers
+        tokenizer = transformers.AutoTokenizer.from_pretrained(files["model_dir"])
+        ids = tokenizer(PROMPT)["input_ids"]
+        for model in ("alpha", files["base"]):
+            status, body = _complete(url, model, 6)
+            assert status == 200, body
+            adapter = os.path.join(files["adapters"], model) if model == "alpha" else None
+            want = serve_files.peft_reference(files["model_dir"], adapter, ids, 6)
+            assert body["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+        processes = _tree(proc)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(120)
+        time.sleep(1.0)
+        assert _alive(processes) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def test_a_redeployment_with_new_options_under_load_fails_no_request(files):
+    port = serve_files._free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = _config(files, port, files["adapters"])["applications"][0]["args"]
+    driver = Driver(2, port)
+    try:
+        driver.do("deploy " + json.dumps(args))
+        assert _complete(url, "beta")[0] == 200
+        stop = threading.Event()
+
+        def streams():
+            got = []
+            while not stop.is_set():
+                got.append(_stream(url, "alpha", 400))
+            return got
+
+        def completions():
+            got = []
+            while not stop.is_set():
+                got.append(_complete(url, files["base"], 20))
+            return got
+
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            load = [ex.submit(streams), ex.submit(streams), ex.submit(completions)]
+            time.sleep(2.0)
+            # the same application, another adapters directory, while requests stream
+            driver.do("deploy " + json.dumps(dict(args, adapters=files["other"])))
+            time.sleep(3.0)
+            stop.set()
+            streamed = load[0].result(300) + load[1].result(300)
+            completed = load[2].result(300)
+        assert len(streamed) >= 4 and len(completed) >= 2
+        assert all(status == 200 and _finished(events) for status, events in streamed), [
+            (s, e[-2:]) for s, e in streamed if s != 200 or not _finished(e)]
+        assert [status for status, _ in completed] == [200] * len(completed)
+        # the new directory is served, the old one's own adapter no longer
+        assert _complete(url, "delta")[0] == 200
+        assert _complete(url, "beta")[0] == 404
+    finally:
+        driver.close()
