@@ -1,4 +1,4 @@
-"""``lorahook serve``'s command line: every option documented, bad values refused before Ray starts."""
+"""``lorahook serve``'s options (the command line and Ray Serve's builder args), refused before Ray starts; the drain's bookkeeping."""
 import argparse
 
 import pytest
@@ -133,3 +133,30 @@ def test_drain_timeout_is_documented_and_checked(tmp_path):
     assert parser().parse_args(["model"]).drain_timeout == 30.0
     with pytest.raises(ValueError, match="--drain-timeout must be > 0"):
         serve.main(parser().parse_args([str(tmp_path), "--drain-timeout", "0"]))
+
+
+def test_the_drain_waits_for_replicas_in_flight_but_not_for_silent_ones(monkeypatch):
+    pytest.importorskip("ray")
+    import asyncio
+    import time
+    from lorahook.server.state import ServerState
+    monkeypatch.setattr(ServerState, "SILENT_S", 0.2)
+
+    async def run():
+        state = ServerState()
+        for replica in ("a", "b", "c"):
+            await state.join(replica)
+        assert await state.busy() == ["a", "b", "c"]  # before the drain: every replica
+        await state.leave("c")  # stopped by Serve
+        await state.drain(30.0)
+        await state.drain(1.0)  # a second drain changes nothing
+        assert 29.0 < await state.draining() <= 30.0
+        await state.report("a", 2)
+        assert await state.busy() == ["a", "b"]  # b has not said yet
+        time.sleep(0.3)
+        await state.report("a", 1)
+        assert await state.busy() == ["a"]  # b stayed silent: its node is gone
+        await state.report("a", 0)
+        assert await state.busy() == []
+
+    asyncio.run(run())

@@ -29,15 +29,22 @@ class ServerState:
     :meth:`drain` starts it (once); every replica waits for it in
     :meth:`draining` and then reports its requests in flight with
     :meth:`report` until it has none; :meth:`busy` is what the stopping process
-    waits on.
+    waits on.  A replica silent for :attr:`SILENT_S` seconds of the drain (its
+    node was lost) is not waited for.
     """
+
+    #: Seconds after which a replica that has not reported during the drain is taken for gone
+    #: (a live one reports every tenth of a second while it has requests in flight).
+    SILENT_S = 2.0
 
     def __init__(self):
         self._entries = {}
         self._version = 0
-        self._drain_end = None      # time.monotonic() at which the drain ends
+        self._drain_at = None       # time.monotonic() at which the drain started
+        self._drain_end = None      # and at which it ends
         self._drain_started = asyncio.Event()
         self._replicas = {}         # replica id -> requests in flight (None: not reported yet)
+        self._heard = {}            # replica id -> time.monotonic() of its last report
 
     # --- runtime adapters ------------------------------------------------
 
@@ -65,11 +72,13 @@ class ServerState:
     async def leave(self, replica):
         """A replica has stopped (or been replaced)."""
         self._replicas.pop(replica, None)
+        self._heard.pop(replica, None)
 
     async def drain(self, seconds):
         """Start the drain: replicas refuse new requests, and end the rest after ``seconds``."""
         if self._drain_end is None:
-            self._drain_end = time.monotonic() + seconds
+            self._drain_at = time.monotonic()
+            self._drain_end = self._drain_at + seconds
             self._drain_started.set()
 
     async def draining(self):
@@ -79,10 +88,16 @@ class ServerState:
 
     async def report(self, replica, in_flight):
         self._replicas[replica] = in_flight
+        self._heard[replica] = time.monotonic()
 
     async def busy(self):
-        """Replicas that have not reported, or still have requests in flight."""
-        return sorted(r for r, n in self._replicas.items() if n is None or n > 0)
+        """Replicas of the drain that still have requests in flight, or have not said yet."""
+        if self._drain_end is None:
+            return sorted(self._replicas)
+        now = time.monotonic()
+        early = now - self._drain_at < self.SILENT_S
+        return sorted(r for r, n in self._replicas.items() if (n is None or n > 0) and (
+            early or now - self._heard.get(r, -float("inf")) < self.SILENT_S))
 
 
 _RemoteState = ray.remote(ServerState)
