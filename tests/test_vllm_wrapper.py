@@ -222,6 +222,16 @@ def test_declines_an_unknown_wrapper_interface():
     assert reason == "Changed.add_shrink has no parameter scale"
 
 
+def test_declines_vllm_0_30_without_apply_lora_full_linear():
+    # vLLM 0.30's CPU wrapper: every method lorahook implements but the full-linear one
+    members = {name: getattr(lv.PunicaWrapperCPU, name) for name in lv._INTERFACE
+               if name != "apply_lora_full_linear"}
+    members.update(token_lora_indices=lv.PunicaWrapperCPU.token_lora_indices,
+                   sampler_indices=lv.PunicaWrapperCPU.sampler_indices)
+    old = type("PunicaWrapperCPU", (), members)
+    assert lv._interface_mismatch(old) == "PunicaWrapperCPU has no method apply_lora_full_linear"
+
+
 def test_register_never_raises(monkeypatch, caplog):
     def boom(platform):
         raise RuntimeError("a surprise")
