@@ -61,9 +61,9 @@ __all__ = ["add_arguments", "main", "DTYPES", "APP_NAME"]
 APP_NAME = "lorahook"
 
 
-def _wait_healthy(url, deadline):
+def _wait_healthy(url, deadline, stop):
     import urllib.request
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as resp:
                 if resp.status == 200:
@@ -150,12 +150,13 @@ def main(args, out=sys.stdout):
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
         url = f"http://{args.host}:{args.port}"
-        if not _wait_healthy(url, time.monotonic() + 300):
+        if not _wait_healthy(url, time.monotonic() + 300, stop) and not stop.is_set():
             raise RuntimeError(f"the server did not answer at {url}/health (each of the "
                                f"{args.replicas} replicas reserves {settings.threads} of Ray's "
                                f"CPUs: {ray.cluster_resources().get('CPU', 0):g} in this "
                                f"cluster; see --threads)")
-        print(f"lorahook serve: {url}/v1 (model '{settings.base_id}')", file=out, flush=True)
+        if not stop.is_set():
+            print(f"lorahook serve: {url}/v1 (model '{settings.base_id}')", file=out, flush=True)
         while not stop.wait(0.5):
             pass
         _drain(state_of(APP_NAME), args.drain_timeout, signals, out)
