@@ -56,8 +56,7 @@ from .adapter import LoraAdapter
 from .adapter_set import AdapterSet
 from .resolver import Load, check_name, check_resolver, identity as resolver_identity, resolve
 
-__all__ = ["batch", "DONE", "Joined", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease",
-           "head_node_options"]
+__all__ = ["batch", "DONE", "Joined", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"]
 
 #: The Ray namespace of the actors :func:`shared_resolver` starts.
 NAMESPACE = "lorahook"
