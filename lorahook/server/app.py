@@ -80,17 +80,23 @@ async def _unexpected(request, exc):
 
 class _Lease:
     """What a request holds until it ends: its place among the requests in flight, in the
-    queue, and its adapter's residence.  :meth:`release` gives them back, once."""
+    queue, and its adapter's residence, each given back by a callable added as it is taken.
 
-    __slots__ = ("_release",)
+    :meth:`release` gives them all back, last taken first, once.
+    """
 
-    def __init__(self, release):
-        self._release = release
+    __slots__ = ("_parts",)
+
+    def __init__(self, *parts):
+        self._parts = list(parts)
+
+    def add(self, part):
+        self._parts.append(part)
 
     def release(self):
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+        parts, self._parts = self._parts, []
+        for part in reversed(parts):
+            part()
 
 
 def _too_large(limit):
@@ -118,7 +124,6 @@ class LorahookServer:
         self.settings = s = settings
         self.id = uuid.uuid4().hex
         self.app_name = serve.get_replica_context().app_name
-        self.state = state_of(self.app_name)
         self.drain = Drain()
         self.in_flight = 0   # requests admitted and not ended
         torch.set_num_threads(s.threads)
@@ -135,7 +140,7 @@ class LorahookServer:
         pad = pad if isinstance(pad, int) else (eos[0] if eos else 0)
         with torch.inference_mode():  # can requests join a running batch on this cache?
             probe = self.model(input_ids=torch.tensor([[pad]]), use_cache=True)
-        self.adapters = ReplicaAdapters(s, geometry_of(self.model), self.state)
+        self.adapters = ReplicaAdapters(s, geometry_of(self.model), state_of(self.app_name))
         attached = attach(self.model, self.adapters.set)
         self.generation = Generation(self.model, self.tokenizer, attached, s,
                                      joinable(cache_of(probe)), pad, eos)
@@ -148,17 +153,17 @@ class LorahookServer:
         """Wait for the application's drain; then report the requests in flight until none is."""
         while True:
             try:
-                await self.state.join.remote(self.id)
-                seconds = await self.state.draining.remote()
+                await self.adapters.state.join.remote(self.id)
+                seconds = await self.adapters.state.draining.remote()
                 break
             except ray.exceptions.RayError:  # the state actor is gone: join its successor
                 await asyncio.sleep(1.0)
-                self.state = self.adapters.state = state_of(self.app_name)
+                self.adapters.state = state_of(self.app_name)
         self.drain.end = time.monotonic() + seconds
         while True:
             in_flight = self.in_flight
             try:
-                await self.state.report.remote(self.id, in_flight)
+                await self.adapters.state.report.remote(self.id, in_flight)
             except ray.exceptions.RayError:
                 return  # the stopping process has gone
             if not in_flight:
@@ -167,10 +172,10 @@ class LorahookServer:
 
     def __del__(self):
         # Serve calls this when it stops the replica (after its requests have ended)
-        state = getattr(self, "state", None)
-        if state is not None:
+        adapters = getattr(self, "adapters", None)
+        if adapters is not None:
             try:
-                state.leave.remote(self.id)
+                adapters.state.leave.remote(self.id)
             except Exception:
                 pass
 
@@ -238,18 +243,18 @@ class LorahookServer:
 
     async def _complete(self, request, kind):
         self._admit()
-        admitted = _Lease(self._ended)
+        lease = _Lease(self._ended)
         try:
-            return await self._completion(request, kind, admitted)
+            return await self._completion(request, kind, lease)
         except BaseException:
-            admitted.release()
+            lease.release()
             raise
 
     def _ended(self):
         self.in_flight -= 1
 
-    async def _completion(self, request, kind, admitted):
-        """The completion of an admitted request; ``admitted.release()`` once it has ended."""
+    async def _completion(self, request, kind, lease):
+        """The completion of an admitted request; ``lease.release()`` once it has ended."""
         from .engine import Request
         deadline = Deadline(self.settings.request_timeout, self.drain)
         self._check_api_key(request)
@@ -265,14 +270,10 @@ class LorahookServer:
         req = Request(ids, max_tokens, settings["temperature"], settings["top_p"],
                       settings["seed"], settings["stop"])
         waiting[id(req)] = req
-        try:
-            key = await self.adapters.acquire(settings["model"], deadline)
-        except BaseException:
-            waiting.pop(id(req), None)
-            raise
-        lease = _Lease(lambda: (waiting.pop(id(req), None),
-                                key is not None and self.adapters.release(key),
-                                admitted.release()))
+        lease.add(lambda: waiting.pop(id(req), None))
+        key = await self.adapters.acquire(settings["model"], deadline)
+        if key is not None:
+            lease.add(lambda: self.adapters.release(key))
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         meta = (rid, settings["model"], int(time.time()), kind, len(ids))
         tokens = self.generation.tokens(key, req, deadline, lease.release)
