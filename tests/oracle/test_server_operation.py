@@ -78,12 +78,14 @@ def _alive(processes):
     return alive
 
 
-def _stream(url, model, max_tokens, **kw):
-    """A streamed completion: ``(status, events)``; events are parsed JSON or ``"[DONE]"``."""
+def _stream(url, model, max_tokens, timeout=120, first=None):
+    """A streamed completion: ``(status, events)``; events are parsed JSON or ``"[DONE]"``.
+
+    ``first()`` is called once the first event has come."""
     events = []
-    with httpx.stream("POST", url + "/v1/completions", timeout=kw.pop("timeout", 120),
+    with httpx.stream("POST", url + "/v1/completions", timeout=timeout,
                       json=dict(model=model, prompt=PROMPT, max_tokens=max_tokens,
-                                temperature=0, stream=True, **kw)) as resp:
+                                temperature=0, stream=True)) as resp:
         if resp.status_code != 200:
             resp.read()
             return resp.status_code, [resp.json()]
@@ -91,6 +93,8 @@ def _stream(url, model, max_tokens, **kw):
             if line.startswith("data: "):
                 data = line[len("data: "):]
                 events.append(data if data == "[DONE]" else json.loads(data))
+                if first is not None and len(events) == 1:
+                    first()
     return 200, events
 
 
@@ -98,6 +102,15 @@ def _finished(events):
     """Whether a stream ended as a completion does: a finish reason, then ``[DONE]``."""
     return (len(events) >= 2 and events[-1] == "[DONE]" and "error" not in events[-2]
             and events[-2]["choices"][0]["finish_reason"] in ("stop", "length"))
+
+
+def _peft_text(files, adapter_dir, max_tokens=6):
+    """The greedy text transformers (+ PEFT with ``adapter_dir``) gives for ``PROMPT``."""
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(files["model_dir"])
+    ids = tokenizer(PROMPT)["input_ids"]
+    tokens = serve_files.peft_reference(files["model_dir"], adapter_dir, ids, max_tokens)
+    return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def _complete(url, model, max_tokens=6, timeout=120):
@@ -150,21 +163,9 @@ def test_sigterm_drains_then_stops_with_exit_0(local_server, files):
     started = threading.Barrier(3)
 
     def run(name, model, max_tokens):
-        events = []
-        with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                          json=dict(model=model, prompt=PROMPT, max_tokens=max_tokens,
-                                    temperature=0, stream=True)) as resp:
-            lines = resp.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line[len("data: "):])
-                    break
-            started.wait(60)  # every stream is decoding before the signal
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line[len("data: "):])
-        results[name] = ([e if e == "[DONE]" else json.loads(e) for e in events],
-                         time.monotonic())
+        # every stream is decoding before the signal
+        status, events = _stream(url, model, max_tokens, first=lambda: started.wait(60))
+        results[name] = (events, time.monotonic())
 
     with concurrent.futures.ThreadPoolExecutor(3) as ex:
         futures = [ex.submit(run, "short", "alpha", 30), ex.submit(run, "long", "beta", 4000)]
@@ -293,10 +294,11 @@ def test_a_cluster_keeps_serving_when_a_node_is_lost(files):
                                                          max_tokens=6, temperature=0))
             return model, r.status_code, r.json()
 
+        want = {"alpha": _peft_text(files, os.path.join(files["adapters"], "alpha")),
+                "rt": _peft_text(files, files["runtime"]), files["base"]: _peft_text(files, None)}
         with concurrent.futures.ThreadPoolExecutor(6) as ex:
-            want = {m: body["choices"][0]["text"] for m, status, body in ex.map(ask, range(6))
-                    if status == 200}
-        assert sorted(want) == sorted(("alpha", "rt", files["base"]))
+            before = list(ex.map(ask, range(6)))
+        assert all(s == 200 and body["choices"][0]["text"] == want[m] for m, s, body in before)
 
         # the node that is not the head goes while streams run on both replicas
         def stream(_):
@@ -379,15 +381,11 @@ def test_serve_run_of_a_config_file_serves_the_adapters(files, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         assert _healthy(url, 300), "serve run did not answer"
-        import transformers
-        tokenizer = transformers.AutoTokenizer.from_pretrained(files["model_dir"])
-        ids = tokenizer(PROMPT)["input_ids"]
-        for model in ("alpha", files["base"]):
+        for model, adapter in (("alpha", os.path.join(files["adapters"], "alpha")),
+                               (files["base"], None)):
             status, body = _complete(url, model, 6)
             assert status == 200, body
-            adapter = os.path.join(files["adapters"], model) if model == "alpha" else None
-            want = serve_files.peft_reference(files["model_dir"], adapter, ids, 6)
-            assert body["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+            assert body["choices"][0]["text"] == _peft_text(files, adapter)
         processes = _tree(proc)
         proc.send_signal(signal.SIGINT)
         proc.wait(120)
