@@ -17,7 +17,10 @@ greedy tokens, in float32 and bfloat16, on one and two threads
 bfloat16 on two threads with ``--max-lora-rank 64``.  Each configuration: one
 engine with lorahook, the burst with its 8 adapters and without them in turn
 (best of the rounds each), and one with vLLM's own kernels
-(``VLLM_PLUGINS=none``).  Requests per second, their ratios, and where the
+(``VLLM_PLUGINS=none``); with ``--without-lora``, also vLLM started without
+``--enable-lora``.  vLLM's defaults: the plugin's engine is compiled (vLLM's
+own LoRA engine is not: vLLM turns compilation off with LoRA), and so is the
+engine without LoRA.  Requests per second, their ratios, and where the
 plugin's LoRA time went (per projection kind, and the per-step metadata).
 
 Run it with the OpenBLAS overrides of this machine unset, in that command
@@ -167,8 +170,10 @@ def _configs(names):
     if cores not in ("0", "0-1"):  # a machine with more cores: all of them too
         configs += [(f"float32, all {len(os.sched_getaffinity(0))} cores", "float32", cores, 8),
                     (f"bfloat16, all {len(os.sched_getaffinity(0))} cores", "bfloat16", cores, 8)]
-    if names:
-        configs = [c for c in configs if any(n in c[0] for n in names)]
+    if names:  # a label given whole is that configuration alone, else every label holding it
+        labels = {c[0] for c in configs}
+        configs = [c for c in configs
+                   if any(n == c[0] if n in labels else n in c[0] for n in names)]
     return configs
 
 
@@ -219,23 +224,28 @@ def serve(workdir, requests=64, max_tokens=32, configs=None,
         if without_lora:
             plain, _ = launch({**base, "enable_lora": False, "names": [],
                                "round_labels": ["none"]}, {**env, "VLLM_PLUGINS": "none"})
-            row["no_lora"] = max(plain["rounds"]["none"])
+            plain_rounds = plain["rounds"]["none"]
+            row["no_lora"] = max(plain_rounds)
         table.append(row)
+        plain = f" / vLLM without --enable-lora {row['no_lora']:.2f}" if without_lora else ""
         print(f"{label}: lorahook {row['lorahook']:.2f} / same engine without adapters "
-              f"{row['base']:.2f} / vLLM's own LoRA {row['own']:.2f} requests/s "
+              f"{row['base']:.2f} / vLLM's own LoRA {row['own']:.2f}{plain} requests/s "
               f"(rounds: lorahook {_fmt(ours['rounds']['adapters'])}, base "
-              f"{_fmt(ours['rounds']['none'])}, own {_fmt(own['rounds']['adapters'])})",
+              f"{_fmt(ours['rounds']['none'])}, own {_fmt(own['rounds']['adapters'])}"
+              f"{', without --enable-lora ' + _fmt(plain_rounds) if without_lora else ''})",
               flush=True)
         print(_breakdown(prof), flush=True)
     print()
-    extra = " | vLLM without --enable-lora" if without_lora else ""
+    extra = " / vLLM without --enable-lora" if without_lora else ""
+    ratio = " lorahook / vLLM without --enable-lora |" if without_lora else ""
     print("| configuration | requests/s: lorahook, 8 adapters / same engine, no adapters / "
-          f"vLLM's own LoRA{extra} | lorahook / no adapters | lorahook / vLLM's own |")
-    print("|---|---|---|---|")
+          f"vLLM's own LoRA{extra} | lorahook / no adapters |{ratio} lorahook / vLLM's own |")
+    print("|---|---|---|---|" + ("---|" if without_lora else ""))
     for r in table:
         plain = f" / {r['no_lora']:.2f}" if "no_lora" in r else ""
+        versus = f" {r['lorahook'] / r['no_lora']:.3f} |" if "no_lora" in r else ""
         print(f"| {r['config']} | {r['lorahook']:.2f} / {r['base']:.2f} / {r['own']:.2f}{plain} | "
-              f"{r['lorahook'] / r['base']:.3f} | {r['lorahook'] / r['own']:.2f} |")
+              f"{r['lorahook'] / r['base']:.3f} |{versus} {r['lorahook'] / r['own']:.2f} |")
     return table
 
 

@@ -29,6 +29,17 @@ tensors, with the GIL released:
   (vLLM preloads it and binds its threads to the cores), so no second pool
   competes with torch's; ``LORAHOOK_VLLM_THREADS`` sets another count.
 
+**Compiled.**  vLLM's CPU platform turns torch.compile off whenever LoRA is
+enabled; with the plugin active, vLLM's compilation mode is kept
+(``LORAHOOK_VLLM_COMPILE=0`` gives vLLM its own choice back).  Inside a
+graph Dynamo traces, each wrapper call is one torch custom op,
+``torch.ops.lorahook.punica`` (``y`` written in place, a fake implementation
+for tracing), opaque to the compiler: the step's grouping is read from the
+wrapper when the op runs, never baked into the graph, so one graph serves
+every step and every row count.  ``apply_lora_full_linear`` (classifier
+heads, which pick their rows in Python, outside the compiled model) stays
+vLLM's own op if a graph ever traces it.
+
 The few calls that kernel does not take (a shrink or expand on its own,
 embeddings, classifier heads, mixed dtypes) run
 :func:`lorahook._stacked.apply_slots`.  Rows without an adapter are never
@@ -43,12 +54,13 @@ never does.
 from __future__ import annotations
 
 import atexit
-import functools
 import inspect
+import itertools
 import json
 import logging
 import os
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -136,29 +148,6 @@ def _kind(half: list) -> str | None:
     if len(half) > 1:
         raise _Fallback  # two 16-bit kinds in one call
     return half[0] if half else None
-
-
-def _served(groups: str):
-    """Run a wrapper method on lorahook's kernels over the step's ``groups``, or vLLM's own op.
-
-    A step without an adapter row returns at once; a call the method raises
-    ``_Fallback`` for (before it writes anything) goes to vLLM's CPU wrapper.
-    """
-    def wrap(method):
-        fallback = getattr(PunicaWrapperCPU, method.__name__)
-
-        @functools.wraps(method)
-        def run(self, *args, **kwargs):
-            rows = getattr(self, groups)
-            if rows is None or rows.n_covered == 0:
-                return None
-            try:
-                method(self, rows, *args, **kwargs)
-            except _Fallback:
-                return fallback(self, *args, **kwargs)
-            return None
-        return run
-    return wrap
 
 
 class _Stacked:
@@ -319,6 +308,50 @@ def _team_threads() -> int:
     return torch.get_num_threads()
 
 
+# ---------------------------------------------------------------------------
+# the custom op a compiled graph calls
+# ---------------------------------------------------------------------------
+
+# the live wrappers, by the key a graph holds (a constant of the graph; the step's
+# grouping is read from the wrapper when the op runs)
+_wrappers: "weakref.WeakValueDictionary[int, PunicaWrapperLorahook]" = weakref.WeakValueDictionary()
+_keys = itertools.count(1)
+
+_SCHEMA = ("punica(int wrapper, str method, Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, "
+           "float scale, int[] slices, int offset, bool add) -> ()")
+
+
+def _punica(wrapper, method, y, x, a, b, scale, slices, offset, add) -> None:
+    """``torch.ops.lorahook.punica``: one wrapper call, run by the wrapper that holds ``wrapper``."""
+    target = _wrappers.get(wrapper)
+    if target is None:
+        raise RuntimeError(f"lorahook: no punica wrapper {wrapper} in this process (a graph "
+                           "compiled for a model that is gone)")
+    target._run(method, y, x, a, b, scale, slices, offset, add)
+
+
+def _punica_fake(wrapper, method, y, x, a, b, scale, slices, offset, add) -> None:
+    """What tracing sees: the op writes ``y`` in place and returns nothing."""
+    return None
+
+
+def _define_op() -> None:
+    """Register ``lorahook::punica`` once per process: opaque to Dynamo, ``y`` mutated."""
+    try:
+        torch.ops.lorahook.punica  # noqa: B018 -- defined already (this module reloaded)
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    library = torch.library.Library("lorahook", "FRAGMENT")
+    library.define(_SCHEMA)
+    library.impl("punica", _punica, "CPU")
+    torch.library.register_fake("lorahook::punica", _punica_fake, lib=library)
+    _define_op.library = library  # a Library's registrations last as long as it does
+
+
+_define_op()
+
+
 class PunicaWrapperLorahook(PunicaWrapperCPU):
     """vLLM's CPU punica wrapper with lorahook's grouped kernels behind every method.
 
@@ -335,14 +368,17 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         self._tokens: SlotRows | None = None
         self._sampled: SlotRows | None = None
         # vLLM's stacked weights as the kernels take them, made once per tensor (they
-        # live as long as the model); each entry keeps its tensor, so its id is never reused
-        self._views: dict[int, _Stacked] = {}
-        # a projection's (A, B) tuples as apply_pairs takes them, by the tuple's id
+        # live as long as the model), by where the tensor lives; each entry keeps its tensor
+        self._views: dict[tuple, _Stacked] = {}
+        # a projection's (A, B) tuples as apply_pairs takes them, by where they live
         # (None: that projection goes the apply_slots way)
-        self._pairs: dict[int, tuple] = {}
+        self._pairs: dict[tuple, tuple] = {}
         self._team = None
         self._threads = 0
         self.profile = _Profile.from_env()
+        # how torch.ops.lorahook.punica finds this wrapper from a compiled graph
+        self._key = next(_keys)
+        _wrappers[self._key] = self
 
     def _start_team(self) -> None:
         """The OpenMP team of torch's threads, found once, at the first step.
@@ -392,9 +428,10 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         """
         if t.device.type != "cpu" or not t.is_contiguous():
             raise _Fallback
-        entry = self._views.get(id(t))
-        if entry is None or entry.tensor is not t:
-            entry = self._views[id(t)] = _Stacked(t, transpose)
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)  # where it lives (see _pairs_of)
+        entry = self._views.get(key)
+        if entry is None:
+            entry = self._views[key] = _Stacked(t, transpose)
         if entry.copy is None:
             for kind in entry.kinds:
                 if kind not in half:
@@ -417,25 +454,104 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
     def _pairs_of(self, a, b) -> _Pairs | None:
         """The pairs of a projection (its tuples of stacked tensors, or one tensor each),
         made at its first call; ``None`` when they are not served."""
-        # by the layer's own tuple (or tensor), which lives as long as the model and is
-        # kept with its entry, so that its id is not reused while the entry is there
-        got = self._pairs.get(id(a))
-        if got is not None and got[0] is a:
+        if isinstance(a, torch.Tensor):
+            a, b = (a,), (b,)
+        # by where the layer's tensors live: a compiled graph may hand the op other tensor
+        # objects (aliases) of the same memory, whose version counters are the layer's; the
+        # entry keeps the tensors alive, so their addresses are not reused while it is there
+        key = tuple(t.data_ptr() for t in a) + tuple(t.data_ptr() for t in b)
+        got = self._pairs.get(key)
+        if got is not None:
             return got[1]
         try:
             entry = _Pairs(a, b)
         except (_Fallback, RuntimeError) as exc:
             logger.debug("lorahook: a projection goes the apply_slots way: %r", exc)
             entry = None
-        self._pairs[id(a)] = (a, entry)
+        self._pairs[key] = (a, entry)
         return entry
 
-    @_served("_tokens")
-    def add_lora_linear(self, rows, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
+    # -- vLLM's interface: each call runs now, or as one torch custom op in a compiled graph --
+    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
                         *, buffer=None, **kwargs: Any):
+        self._call("linear", y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, 0,
+                   kwargs.get("add_inputs", True))
+
+    def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs: Any):
+        if not isinstance(y, torch.Tensor):  # one output per slice
+            for y_i, a_i in zip(y, lora_a_stacked, strict=True):
+                self._call("shrink", y_i.unsqueeze(0), x, (a_i,), (), scale, (), 0, False)
+            return
+        self._call("shrink", y, x, lora_a_stacked, (), scale, (), 0, False)
+
+    def add_expand(self, y, x, lora_b_stacked, output_slices, offset_start=0,
+                   add_inputs=True, **kwargs: Any):
+        if not isinstance(x, torch.Tensor):  # one input per slice, padded to the widest rank
+            width = max(t.shape[-1] for t in x)
+            x = torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in x])
+        self._call("expand", y, x, (), lora_b_stacked, 1.0, output_slices, offset_start,
+                   add_inputs)
+
+    def add_lora_embedding(self, y, x, lora_b_stacked, add_inputs=True, **kwargs: Any):
+        self._call("embedding", y, x, (), (lora_b_stacked,), 1.0, (), 0, add_inputs)
+
+    def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
+                        **kwargs: Any):
+        self._call("logits", y, x, (lora_a_stacked,), (lora_b_stacked,), scale, (), 0, True)
+
+    def apply_lora_full_linear(self, y, x, weight_stacked, bias_stacked, module_enabled):
+        if torch.compiler.is_compiling():  # a classifier head picks rows in Python: vLLM's op
+            return super().apply_lora_full_linear(y, x, weight_stacked, bias_stacked,
+                                                  module_enabled)
+        return self._full_linear(y, x, weight_stacked, bias_stacked, module_enabled)
+
+    def _call(self, method: str, y, x, a, b, scale, slices, offset, add) -> None:
+        """Run ``method`` now, or, while torch compiles the model, as ``torch.ops.lorahook.punica``.
+
+        In a compiled graph the op is opaque: the step's grouping is read when
+        the op runs (from :meth:`update_metadata`), never baked into the graph.
+        """
+        if torch.compiler.is_compiling():
+            torch.ops.lorahook.punica(self._key, method, y, x, list(a), list(b), float(scale),
+                                      list(slices), int(offset), bool(add))
+        else:
+            self._run(method, y, x, a, b, scale, slices, offset, add)
+
+    def _run(self, method: str, y, x, a, b, scale, slices, offset, add) -> None:
+        """``method`` on lorahook's kernels over the step's rows, or on vLLM's own op.
+
+        A step without an adapter row returns at once; a call a kernel raises
+        ``_Fallback`` for (before it writes anything) goes to vLLM's CPU wrapper.
+        """
+        rows = self._sampled if method == "logits" else self._tokens
+        if rows is None or rows.n_covered == 0:
+            return
+        try:
+            getattr(self, "_" + method)(rows, y, x, a, b, scale, slices, offset, add)
+        except _Fallback:
+            self._vllm(method, y, x, a, b, scale, slices, offset, add)
+
+    def _vllm(self, method: str, y, x, a, b, scale, slices, offset, add) -> None:
+        """``method`` on vLLM's own CPU op."""
+        own = PunicaWrapperCPU
+        if method == "linear":
+            if not add:  # vLLM's CPU op always adds
+                y.zero_()
+            own.add_lora_linear(self, y, x, tuple(a), tuple(b), scale, tuple(slices))
+        elif method == "shrink":
+            own.add_shrink(self, y, x, tuple(a), scale)
+        elif method == "expand":
+            own.add_expand(self, y, x, tuple(b), tuple(slices), offset_start=offset,
+                           add_inputs=add)
+        elif method == "embedding":
+            own.add_lora_embedding(self, y, x, b[0], add_inputs=add)
+        else:
+            own.add_lora_logits(self, y, x, a[0], b[0], scale)
+
+    # -- lorahook's kernels -----------------------------------------------------------------
+    def _linear(self, rows, y, x, a_stacked, b_stacked, scale, output_slices, offset, add):
         t0 = _clock()
-        add = kwargs.get("add_inputs", True)
-        pairs = self._pairs_of(lora_a_stacked, lora_b_stacked)
+        pairs = self._pairs_of(a_stacked, b_stacked)
         if pairs is not None and x.dtype == y.dtype == pairs.dtype:
             if pairs.refresh() and self.profile is not None:
                 self.profile.add(("slot writes", x.shape[-1], tuple(output_slices)),
@@ -454,8 +570,7 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
             xa, ya = _rows(x, half), _rows(y, half)
             calls = []
             offset = 0
-            for a_t, b_t, size in zip(lora_a_stacked, lora_b_stacked, output_slices,
-                                      strict=True):
+            for a_t, b_t, size in zip(a_stacked, b_stacked, output_slices, strict=True):
                 b, _, _ = self._b(b_t, half)
                 calls.append((self._factor(a_t, half)[0], b, ya[:, offset:offset + size]))
                 offset += size
@@ -465,47 +580,39 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         if self.profile is not None:
             self.profile.add((kind, x.shape[-1], tuple(output_slices)), _clock() - t0)
 
-    @_served("_tokens")
-    def add_shrink(self, rows, y, x, lora_a_stacked, scale, **kwargs: Any):
+    def _shrink(self, rows, y, x, a_stacked, b_stacked, scale, slices, offset, add):
         half: list = []
         xa = _rows(x, half)
-        outs = [_rows(y[i], half) for i in range(len(lora_a_stacked))]
-        weights = [self._factor(a_t, half)[0] for a_t in lora_a_stacked]
+        outs = [_rows(y[i], half) for i in range(len(a_stacked))]
+        weights = [self._factor(a_t, half)[0] for a_t in a_stacked]
         kind = _kind(half)
         for a, out in zip(weights, outs):
             # vLLM's CPU op writes (not adds) a token's shrunk rows
             apply_slots(rows, xa, out[:, :a.shape[1]], a=a, scale=scale, add=False, half=kind)
 
-    @_served("_tokens")
-    def add_expand(self, rows, y, x, lora_b_stacked, output_slices, offset_start=0,
-                   add_inputs=True, **kwargs: Any):
+    def _expand(self, rows, y, x, a_stacked, b_stacked, scale, output_slices, offset, add):
         half: list = []
         ya = _rows(y, half)
         calls = []
-        offset = offset_start
-        for i, (b_t, size) in enumerate(zip(lora_b_stacked, output_slices, strict=True)):
+        for i, (b_t, size) in enumerate(zip(b_stacked, output_slices, strict=True)):
             b, _, rank = self._b(b_t, half)
             calls.append((_rows(x[i], half)[:, :rank], b, ya[:, offset:offset + size]))
             offset += size
         kind = _kind(half)
         for xi, b, out in calls:
-            apply_slots(rows, xi, out, add=add_inputs, half=kind, **b)
+            apply_slots(rows, xi, out, add=add, half=kind, **b)
 
-    # -- embeddings, logits, classifier heads -----------------------------------------------
-    @_served("_tokens")
-    def add_lora_embedding(self, rows, y, x, lora_b_stacked, add_inputs=True, **kwargs: Any):
+    def _embedding(self, rows, y, x, a_stacked, b_stacked, scale, slices, offset, add):
         half: list = []
         ya, xa = _rows(y, half), _rows(x, half)
-        b, d_out, _ = self._b(lora_b_stacked, half)
+        b, d_out, _ = self._b(b_stacked[0], half)
         if d_out > ya.shape[1]:
             raise _Fallback
-        apply_slots(rows, xa, ya[:, :d_out], add=add_inputs, half=_kind(half), **b)
+        apply_slots(rows, xa, ya[:, :d_out], add=add, half=_kind(half), **b)
 
-    @_served("_sampled")
-    def add_lora_logits(self, rows, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None,
-                        **kwargs: Any):
+    def _logits(self, rows, y, x, a_stacked, b_stacked, scale, slices, offset, add):
         t0 = _clock()
-        pairs = self._pairs_of(lora_a_stacked, lora_b_stacked)
+        pairs = self._pairs_of(a_stacked, b_stacked)
         if pairs is not None and x.dtype == y.dtype == pairs.dtype:
             if pairs.refresh() and self.profile is not None:
                 self.profile.add(("slot writes", x.shape[-1], (y.shape[-1],)), _clock() - t0)
@@ -521,20 +628,27 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
             kind = "logits (apply_slots)"
             half = []
             ya, xa = _rows(y, half), _rows(x, half)
-            a, _ = self._factor(lora_a_stacked, half)
-            b, d_out, _ = self._b(lora_b_stacked, half)
+            a, _ = self._factor(a_stacked[0], half)
+            b, d_out, _ = self._b(b_stacked[0], half)
             if d_out > ya.shape[1]:
                 raise _Fallback
             apply_slots(rows, xa, ya[:, :d_out], a, scale=scale, half=_kind(half), **b)
         if self.profile is not None:
             self.profile.add((kind, x.shape[-1], (y.shape[-1],)), _clock() - t0)
 
-    @_served("_sampled")
-    def apply_lora_full_linear(self, rows, y, x, weight_stacked, bias_stacked, module_enabled):
+    def _full_linear(self, y, x, weight_stacked, bias_stacked, module_enabled):
+        rows = self._sampled
+        if rows is None or rows.n_covered == 0:
+            return
         half: list = []
-        xa = _rows(x, half)
-        w, _ = self._factor(weight_stacked, half)
-        kind = _kind(half)
+        try:
+            xa = _rows(x, half)
+            w, _ = self._factor(weight_stacked, half)
+            kind = _kind(half)
+        except _Fallback:
+            PunicaWrapperCPU.apply_lora_full_linear(self, y, x, weight_stacked, bias_stacked,
+                                                    module_enabled)
+            return
         adapter_y = torch.zeros((xa.shape[0], w.shape[1]), dtype=torch.float32)
         apply_slots(rows, xa, adapter_y.numpy(), b=w, half=kind)
         y.copy_(self._select_full_linear_output(y, adapter_y, bias_stacked, module_enabled))
@@ -573,6 +687,49 @@ def _why_not(platform) -> str | None:
     return _interface_mismatch(PunicaWrapperCPU)
 
 
+def _compile_wanted() -> bool:
+    """``LORAHOOK_VLLM_COMPILE``: unset or ``1`` keeps vLLM's compilation with LoRA, ``0`` not."""
+    raw = os.environ.get("LORAHOOK_VLLM_COMPILE", "").strip()
+    if raw in ("", "1"):
+        return True
+    if raw != "0":
+        logger.warning("lorahook: LORAHOOK_VLLM_COMPILE must be 0 or 1, got %r; vLLM's own "
+                       "choice with LoRA is kept", raw)
+    return False
+
+
+def _keep_compiling(platform) -> None:
+    """Make ``platform`` keep vLLM's compilation mode when LoRA is enabled.
+
+    vLLM's CPU platform turns compilation off whenever LoRA is enabled; with
+    the wrapper's calls torch custom ops, the mode vLLM chooses without LoRA
+    is kept (``LORAHOOK_VLLM_COMPILE=0``: vLLM's choice).
+    """
+    if not _compile_wanted():
+        logger.info("lorahook: LORAHOOK_VLLM_COMPILE=0: vLLM decides whether to compile with LoRA")
+        return
+    original = platform.check_and_update_config
+    if getattr(original, "lorahook", False):  # this platform's already
+        return
+
+    def check_and_update_config(vllm_config) -> None:
+        lora = vllm_config.lora_config
+        if lora is None:
+            return original(vllm_config)
+        # the platform's settings as they are without LoRA: the one thing its LoRA branch
+        # changes is the compilation mode, which lorahook's custom ops make safe to keep
+        object.__setattr__(vllm_config, "lora_config", None)
+        try:
+            original(vllm_config)
+        finally:
+            object.__setattr__(vllm_config, "lora_config", lora)
+        logger.info("lorahook: vLLM compiles with LoRA (compilation mode %s)",
+                    vllm_config.compilation_config.mode.name)
+
+    check_and_update_config.lorahook = True
+    platform.check_and_update_config = check_and_update_config
+
+
 def register() -> None:
     """vLLM's entry point: make the CPU platform name lorahook's wrapper, or say why not.
 
@@ -591,6 +748,7 @@ def register() -> None:
             return
         # this platform object only: its class (and any other instance) is left as it is
         current_platform.get_punica_wrapper = lambda: QUALNAME
+        _keep_compiling(current_platform)
         logger.info("lorahook %s: vLLM's CPU LoRA runs on lorahook's kernels (%s)",
                     lorahook.__version__, QUALNAME)
     except Exception as exc:  # noqa: BLE001 -- a plugin must never stop vLLM from starting

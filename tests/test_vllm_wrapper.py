@@ -14,6 +14,7 @@ from required import need
 torch = need("torch", "LORAHOOK_REQUIRE_VLLM")
 need("vllm", "LORAHOOK_REQUIRE_VLLM")
 lv = need("lorahook.vllm", "LORAHOOK_REQUIRE_VLLM")
+from vllm.config import CompilationMode as M  # noqa: E402
 from vllm.lora.layers import LoRAMapping  # noqa: E402
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU  # noqa: E402
 
@@ -243,8 +244,9 @@ def test_register_never_raises(monkeypatch, caplog):
 
 def test_register_names_the_wrapper_on_this_cpu(monkeypatch, caplog):
     from vllm.platforms import current_platform
-    monkeypatch.setattr(current_platform, "get_punica_wrapper",
-                        current_platform.get_punica_wrapper, raising=False)
+    for name in ("get_punica_wrapper", "check_and_update_config"):
+        monkeypatch.setattr(current_platform, name, getattr(current_platform, name),
+                            raising=False)
     with caplog.at_level(logging.INFO, logger="vllm.lorahook"):
         lv.register()
     assert current_platform.get_punica_wrapper() == lv.QUALNAME
@@ -338,3 +340,134 @@ def test_threads_setting_is_checked(monkeypatch):
     monkeypatch.setenv("LORAHOOK_VLLM_THREADS", "two")
     with pytest.raises(ValueError, match="LORAHOOK_VLLM_THREADS must be a positive integer"):
         _wrappers()
+
+
+# --------------------------------------------------------------------------- compiled
+
+
+class _Counting:
+    """A torch.compile backend that counts the graphs it is given, then compiles them with Inductor."""
+
+    def __init__(self):
+        self.graphs = 0
+        self.ops = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+        self.graphs += 1
+        self.ops += sum("lorahook.punica" in str(n.target) for n in gm.graph.nodes)
+        return compile_fx(gm, example_inputs)
+
+
+def _delta_reference(y0, x, a, b, slices, slots, scale):
+    ref = y0.double().clone()
+    off = 0
+    for i, size in enumerate(slices):
+        for r, s in enumerate(slots):
+            if s >= 0:
+                ref[r, off:off + size] += scale * (b[i][s, 0].double() @ (a[i][s, 0].double()
+                                                                           @ x[r].double()))
+        off += size
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_graph_follows_every_steps_grouping(dtype):
+    # one graph, compiled once with a dynamic row count, run on steps whose rows, slots
+    # and sizes all differ: the grouping is read when the op runs, never baked in
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(11)
+    d_in, slices, rank = 48, (32, 16, 16), 8
+    a = tuple(_stack((SLOTS, 1, rank, d_in), dtype, gen) for _ in slices)
+    b = tuple(_stack((SLOTS, 1, s, rank), dtype, gen) for s in slices)
+    wrapper = lv.PunicaWrapperLorahook(64, 16, "cpu")
+    backend = _Counting()
+
+    @torch.compile(backend=backend, fullgraph=True, dynamic=True)
+    def project(y, x):
+        wrapper.add_lora_linear(y, x, a, b, 0.5, slices)
+        return y * 1  # a use of the written output after the op, inside the graph
+
+    steps = [TOKENS, [3, 0, 0, 9, 7, 7, 3], [9] * 5 + [0] * 4 + [7] * 2, [0, 0, 0]]
+    for tokens in steps:
+        wrapper.update_metadata(LoRAMapping(tokens, tokens, is_prefill=True), list(IDS),
+                                SLOTS + 1, 100)
+        x = _stack((len(tokens), d_in), dtype, gen)
+        y = _stack((len(tokens), sum(slices)), dtype, gen)
+        y0 = y.clone()
+        got = project(y, x)
+        slots = _slot_of(tokens)
+        ref = _delta_reference(y0, x, a, b, slices, slots, 0.5)
+        _close(got, ref, _tol(dtype))
+        _close(y, ref, _tol(dtype))  # the caller's output is written in place
+        base = [r for r, s in enumerate(slots) if s < 0]
+        assert torch.equal(got[base], y0[base])
+    assert (backend.graphs, backend.ops) == (1, 1)
+
+
+def test_the_custom_op_traces_as_a_write_of_its_output():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    op = torch.ops.lorahook.punica.default
+    assert op._schema.arguments[2].alias_info.is_write  # y
+    assert not any(arg.alias_info and arg.alias_info.is_write
+                   for arg in op._schema.arguments[3:])
+    with FakeTensorMode():
+        y, x = torch.empty(5, 8), torch.empty(5, 4)
+        a, b = [torch.empty(SLOTS, 1, 2, 4)], [torch.empty(SLOTS, 1, 8, 2)]
+        assert op(1, "linear", y, x, a, b, 1.0, [8], 0, True) is None
+
+
+def test_the_custom_op_names_a_wrapper_that_is_gone():
+    with pytest.raises(RuntimeError, match="no punica wrapper 0 in this process"):
+        torch.ops.lorahook.punica(0, "linear", torch.zeros(2, 4), torch.zeros(2, 4), [], [],
+                                  1.0, [4], 0, True)
+
+
+class _CompilingPlatform:
+    """vLLM's CPU platform as far as its LoRA rule goes: LoRA turns compilation off."""
+
+    @classmethod
+    def check_and_update_config(cls, config):
+        config.compilation_config.backend = "inductor"
+        if config.compilation_config.mode == M.VLLM_COMPILE:
+            config.compilation_config.mode = M.DYNAMO_TRACE_ONCE
+        if config.lora_config is not None:
+            config.compilation_config.mode = M.NONE
+
+
+def _config(mode, lora):
+    from types import SimpleNamespace
+    return SimpleNamespace(lora_config=lora,
+                           compilation_config=SimpleNamespace(mode=mode, backend=None))
+
+
+@pytest.mark.parametrize("setting, expected", [("", "DYNAMO_TRACE_ONCE"),
+                                               ("1", "DYNAMO_TRACE_ONCE"), ("0", "NONE")])
+def test_the_platform_keeps_compiling_with_lora_unless_told_not_to(monkeypatch, setting,
+                                                                   expected):
+    monkeypatch.setenv("LORAHOOK_VLLM_COMPILE", setting)
+    platform = _CompilingPlatform()
+    lv._keep_compiling(platform)
+    lv._keep_compiling(platform)  # twice: wrapped once
+    lora = object()
+    config = _config(M.VLLM_COMPILE, lora)
+    platform.check_and_update_config(config)
+    assert config.compilation_config.mode == M[expected]
+    assert config.lora_config is lora and config.compilation_config.backend == "inductor"
+    # what the user chose stays theirs: eager with LoRA, and everything without LoRA
+    for mode, lora in ((M.NONE, lora), (M.VLLM_COMPILE, None), (M.NONE, None)):
+        config = _config(mode, lora)
+        platform.check_and_update_config(config)
+        assert config.compilation_config.mode == (M.NONE if mode == M.NONE or (
+            lora is not None and setting == "0") else M.DYNAMO_TRACE_ONCE)
+
+
+def test_a_wrong_compile_setting_is_named_and_vllm_decides(monkeypatch, caplog):
+    monkeypatch.setenv("LORAHOOK_VLLM_COMPILE", "yes")
+    platform = _CompilingPlatform()
+    with caplog.at_level(logging.INFO, logger="vllm.lorahook"):
+        lv._keep_compiling(platform)
+    config = _config(M.VLLM_COMPILE, object())
+    platform.check_and_update_config(config)
+    assert config.compilation_config.mode == M.NONE
+    assert "LORAHOOK_VLLM_COMPILE must be 0 or 1, got 'yes'" in caplog.text
