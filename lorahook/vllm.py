@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import atexit
 import inspect
-import itertools
 import json
 import logging
 import os
@@ -312,21 +311,22 @@ def _team_threads() -> int:
 # the custom op a compiled graph calls
 # ---------------------------------------------------------------------------
 
-# the live wrappers, by the key a graph holds (a constant of the graph; the step's
-# grouping is read from the wrapper when the op runs)
+# The live wrappers, by where their ``_handle`` tensor lives.  A graph takes the handle
+# as an input like any tensor of the model (bound from the live wrapper each time it
+# runs, also when vLLM loads the graph from its compile cache in another process), and
+# the op finds the wrapper, and the step's grouping in it, when it runs.
 _wrappers: "weakref.WeakValueDictionary[int, PunicaWrapperLorahook]" = weakref.WeakValueDictionary()
-_keys = itertools.count(1)
 
-_SCHEMA = ("punica(int wrapper, str method, Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, "
+_SCHEMA = ("punica(Tensor wrapper, str method, Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, "
            "float scale, int[] slices, int offset, bool add) -> ()")
 
 
 def _punica(wrapper, method, y, x, a, b, scale, slices, offset, add) -> None:
-    """``torch.ops.lorahook.punica``: one wrapper call, run by the wrapper that holds ``wrapper``."""
-    target = _wrappers.get(wrapper)
+    """``torch.ops.lorahook.punica``: one wrapper call, run by the wrapper whose handle is ``wrapper``."""
+    target = _wrappers.get(wrapper.data_ptr())
     if target is None:
-        raise RuntimeError(f"lorahook: no punica wrapper {wrapper} in this process (a graph "
-                           "compiled for a model that is gone)")
+        raise RuntimeError("lorahook: the tensor given as the punica wrapper's handle is no "
+                           "live wrapper's in this process")
     target._run(method, y, x, a, b, scale, slices, offset, add)
 
 
@@ -377,8 +377,8 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         self._threads = 0
         self.profile = _Profile.from_env()
         # how torch.ops.lorahook.punica finds this wrapper from a compiled graph
-        self._key = next(_keys)
-        _wrappers[self._key] = self
+        self._handle = torch.zeros(1, dtype=torch.int8)
+        _wrappers[self._handle.data_ptr()] = self
 
     def _start_team(self) -> None:
         """The OpenMP team of torch's threads, found once, at the first step.
@@ -512,7 +512,7 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         the op runs (from :meth:`update_metadata`), never baked into the graph.
         """
         if torch.compiler.is_compiling():
-            torch.ops.lorahook.punica(self._key, method, y, x, list(a), list(b), float(scale),
+            torch.ops.lorahook.punica(self._handle, method, y, x, list(a), list(b), float(scale),
                                       list(slices), int(offset), bool(add))
         else:
             self._run(method, y, x, a, b, scale, slices, offset, add)
