@@ -8,20 +8,21 @@ on float32 copies, one thread, and OpenBLAS's own pool) and ``apply_pairs``
 (the model's dtype, one thread, and a team of torch's OpenMP threads) -- the
 same data, timed in alternation; medians.
 
-``python benchmarks/vllm_bench.py serve [--config TEXT] [--rounds 3]`` starts
-vLLM offline (``LLM.generate``, vLLM's defaults) on a random 0.5B-shaped Llama
-(hidden 896, 24 layers, MLP 4864, 14 heads, 2 KV heads) with 8 PEFT adapters
-of rank 8 on ``q_proj v_proj o_proj down_proj`` and sends 64 requests x 32
-greedy tokens, in float32 and bfloat16, on one and two threads
-(``VLLM_CPU_OMP_THREADS_BIND``; all cores too on a larger machine), and in
-bfloat16 on two threads with ``--max-lora-rank 64``.  Each configuration: one
-engine with lorahook, the burst with its 8 adapters and without them in turn
-(best of the rounds each), and one with vLLM's own kernels
-(``VLLM_PLUGINS=none``); with ``--without-lora``, also vLLM started without
-``--enable-lora``.  vLLM's defaults: the plugin's engine is compiled (vLLM's
-own LoRA engine is not: vLLM turns compilation off with LoRA), and so is the
-engine without LoRA.  Requests per second, their ratios, and where the
-plugin's LoRA time went (per projection kind, and the per-step metadata).
+``python benchmarks/vllm_bench.py serve [--config TEXT] [--rounds 3] [--without-lora]
+[--breakdown]`` starts vLLM offline (``LLM.generate``, vLLM's defaults) on a random
+0.5B-shaped Llama (hidden 896, 24 layers, MLP 4864, 14 heads, 2 KV heads) with 8 PEFT
+adapters of rank 8 on ``q_proj v_proj o_proj down_proj`` and times bursts of 64
+requests x 32 greedy tokens, in float32 and bfloat16, on one and two threads
+(``VLLM_CPU_OMP_THREADS_BIND``; all cores too on a larger machine), and in bfloat16 on
+two threads with ``--max-lora-rank 64``.  Each configuration keeps its engines alive
+side by side -- lorahook's, vLLM's own LoRA kernels (``VLLM_PLUGINS=none``) and, with
+``--without-lora``, vLLM started without ``--enable-lora`` -- and sends them bursts in
+turn, round after round; a ratio is taken within a round, and the table gives the
+median over the rounds.  vLLM's defaults: the plugin's engine is compiled (vLLM's own
+LoRA engine is not: vLLM turns compilation off with LoRA), and so is the engine
+without LoRA.  ``--breakdown`` adds where the plugin's LoRA time went (per projection
+kind, and the per-step metadata); it times every call, so its rates are not the ones
+to quote.
 
 Run it with the OpenBLAS overrides of this machine unset, in that command
 only: ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/vllm_bench.py ops``.
@@ -200,52 +201,128 @@ def _breakdown(path):
     return "\n".join(lines)
 
 
-def serve(workdir, requests=64, max_tokens=32, configs=None,
-          rounds=3, without_lora=False):
-    """Each configuration: the plugin's engine, its burst with the 8 adapters and without in
-    turn (best of ``rounds`` each), and vLLM's own LoRA kernels (best of ``rounds``)."""
+class _Engine:
+    """One vLLM engine kept alive in a process of its own (``tests/vllm_run.py``, mode
+    ``bursts``), timing a burst whenever it is asked."""
+
+    def __init__(self, spec, env, log):
+        import json
+        import subprocess
+        self.spec_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump({**spec, "mode": "bursts"}, self.spec_file)
+        self.spec_file.close()
+        full = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+        full.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1", **env)
+        self.log = open(log, "w", encoding="utf-8")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "..", "tests", "vllm_run.py"),
+             self.spec_file.name], env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, text=True)
+        self.wrapper = None
+
+    def _line(self, prefix):
+        seen = []
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line.split()[1:]
+            seen = (seen + [line])[-40:]
+        raise RuntimeError(f"vLLM ended ({self.proc.wait()}); its stderr: {self.log.name}; "
+                           f"its last lines:\n{''.join(seen)}")
+
+    def ready(self):
+        if self.wrapper is None:
+            self.wrapper = self._line("READY")[0]
+        return self
+
+    def burst(self, label):
+        self.proc.stdin.write(label + "\n")
+        self.proc.stdin.flush()
+        got, rate = self._line("RATE")
+        assert got == label, (got, label)
+        return float(rate)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=120)
+            except Exception:
+                self.proc.kill()
+        self.log.close()
+        os.unlink(self.spec_file.name)
+
+
+def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_lora=False,
+          breakdown=False):
+    """Each configuration: lorahook's engine, vLLM's own LoRA engine (and vLLM without
+    ``--enable-lora``) alive side by side, sent bursts in turn, ``rounds`` times.
+
+    A round is lorahook with the 8 adapters, [vLLM without LoRA,] lorahook without
+    adapters, vLLM's own LoRA with the adapters: each ratio is taken within a round,
+    between bursts seconds apart, and the table gives the rounds' median ratio (a
+    shared machine's speed drifts over minutes; a ratio of engines timed minutes apart
+    measures the drift too) and the best rate of each.  Idle engines wait on a pipe.
+    """
     model_dir, adapter_dir, names = make_files(workdir)
-    from vllm_run import launch  # tests/, on the path since make_files
     kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
     table = []
     for label, dtype, bind, max_rank in _configs(configs):
-        base = dict(mode="offline", model=model_dir, adapters=adapter_dir, names=names,
-                    enable_lora=True, requests=requests, max_tokens=max_tokens, max_loras=8,
-                    max_lora_rank=max_rank, bench=True, dtype=dtype, rounds=rounds)
+        base = dict(model=model_dir, adapters=adapter_dir, names=names, enable_lora=True,
+                    requests=requests, max_tokens=max_tokens, max_loras=8,
+                    max_lora_rank=max_rank, dtype=dtype)
         env = {"VLLM_CPU_KVCACHE_SPACE": kv, "VLLM_CPU_OMP_THREADS_BIND": bind}
         prof = os.path.join(workdir, "profile.json")
         if os.path.exists(prof):
             os.unlink(prof)
-        ours, _ = launch(base, {**env, "LORAHOOK_VLLM_PROFILE": prof})
-        assert ours["wrapper"].startswith("lorahook"), ours["wrapper"]
-        own, _ = launch({**base, "round_labels": ["adapters"]}, {**env, "VLLM_PLUGINS": "none"})
-        row = dict(config=label, lorahook=max(ours["rounds"]["adapters"]),
-                   base=max(ours["rounds"]["none"]), own=max(own["rounds"]["adapters"]))
+        specs = {"lorahook": (base, {**env, **({"LORAHOOK_VLLM_PROFILE": prof}
+                                              if breakdown else {})}),
+                 "own": (base, {**env, "VLLM_PLUGINS": "none"})}
         if without_lora:
-            plain, _ = launch({**base, "enable_lora": False, "names": [],
-                               "round_labels": ["none"]}, {**env, "VLLM_PLUGINS": "none"})
-            plain_rounds = plain["rounds"]["none"]
-            row["no_lora"] = max(plain_rounds)
+            specs["no_lora"] = ({**base, "enable_lora": False, "names": []},
+                                {**env, "VLLM_PLUGINS": "none"})
+        engines = {}
+        try:
+            for key, (spec, e) in specs.items():  # one at a time: each compiles on every core
+                engines[key] = _Engine(spec, e, os.path.join(workdir, f"{key}.log")).ready()
+            assert engines["lorahook"].wrapper.startswith("lorahook"), engines["lorahook"].wrapper
+            rates = {k: [] for k in ("lorahook", "base", "no_lora", "own")}
+            for _ in range(rounds):
+                rates["lorahook"].append(engines["lorahook"].burst("adapters"))
+                if without_lora:
+                    rates["no_lora"].append(engines["no_lora"].burst("none"))
+                rates["base"].append(engines["lorahook"].burst("none"))
+                rates["own"].append(engines["own"].burst("adapters"))
+        finally:
+            for engine in engines.values():
+                engine.close()
+
+        def ratio(k1, k2):
+            return statistics.median(a / b for a, b in zip(rates[k1], rates[k2]))
+
+        row = dict(config=label, rounds=rates, **{k: max(v) for k, v in rates.items() if v},
+                   vs_base=ratio("lorahook", "base"), vs_own=ratio("lorahook", "own"))
+        if without_lora:
+            row["vs_no_lora"] = ratio("lorahook", "no_lora")
         table.append(row)
-        plain = f" / vLLM without --enable-lora {row['no_lora']:.2f}" if without_lora else ""
-        print(f"{label}: lorahook {row['lorahook']:.2f} / same engine without adapters "
-              f"{row['base']:.2f} / vLLM's own LoRA {row['own']:.2f}{plain} requests/s "
-              f"(rounds: lorahook {_fmt(ours['rounds']['adapters'])}, base "
-              f"{_fmt(ours['rounds']['none'])}, own {_fmt(own['rounds']['adapters'])}"
-              f"{', without --enable-lora ' + _fmt(plain_rounds) if without_lora else ''})",
+        print(f"{label}: requests/s per round: lorahook {_fmt(rates['lorahook'])}; "
+              f"same engine without adapters {_fmt(rates['base'])}; vLLM's own LoRA "
+              f"{_fmt(rates['own'])}"
+              + (f"; vLLM without --enable-lora {_fmt(rates['no_lora'])}" if without_lora else ""),
               flush=True)
-        print(_breakdown(prof), flush=True)
+        if breakdown:
+            print(_breakdown(prof), flush=True)
     print()
     extra = " / vLLM without --enable-lora" if without_lora else ""
-    ratio = " lorahook / vLLM without --enable-lora |" if without_lora else ""
-    print("| configuration | requests/s: lorahook, 8 adapters / same engine, no adapters / "
-          f"vLLM's own LoRA{extra} | lorahook / no adapters |{ratio} lorahook / vLLM's own |")
+    versus = " lorahook / vLLM without --enable-lora |" if without_lora else ""
+    print(f"| configuration | best requests/s: lorahook, 8 adapters / same engine, no adapters / "
+          f"vLLM's own LoRA{extra} | median ratio: lorahook / no adapters |{versus} "
+          "lorahook / vLLM's own |")
     print("|---|---|---|---|" + ("---|" if without_lora else ""))
     for r in table:
-        plain = f" / {r['no_lora']:.2f}" if "no_lora" in r else ""
-        versus = f" {r['lorahook'] / r['no_lora']:.3f} |" if "no_lora" in r else ""
+        plain = f" / {r['no_lora']:.2f}" if without_lora else ""
+        vs = f" {r['vs_no_lora']:.3f} |" if without_lora else ""
         print(f"| {r['config']} | {r['lorahook']:.2f} / {r['base']:.2f} / {r['own']:.2f}{plain} | "
-              f"{r['lorahook'] / r['base']:.3f} |{versus} {r['lorahook'] / r['own']:.2f} |")
+              f"{r['vs_base']:.3f} |{vs} {r['vs_own']:.2f} |")
     return table
 
 
@@ -265,12 +342,16 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--without-lora", action="store_true",
                    help="also time vLLM started without --enable-lora")
+    p.add_argument("--breakdown", action="store_true",
+                   help="serve: lorahook's engine records where its LoRA time goes "
+                        "(LORAHOOK_VLLM_PROFILE) and the table is followed by it")
     args = p.parse_args()
     if args.what == "ops":
         ops(dtype=args.dtype, threads=args.threads)
     else:
         workdir = args.workdir or tempfile.mkdtemp(prefix="lorahook-vllm-bench-")
-        serve(workdir, configs=args.config, rounds=args.rounds, without_lora=args.without_lora)
+        serve(workdir, configs=args.config, rounds=args.rounds,
+              without_lora=args.without_lora, breakdown=args.breakdown)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 ``python tests/vllm_run.py SPEC.json`` reads a spec (mode ``offline`` or
 ``server``, the model, the adapters, the requests) and prints one line
 ``RESULT {json}``: each request's greedy tokens and top log-probabilities,
-the punica wrapper vLLM used, and for the benchmark requests per second.
-vLLM starts its own worker processes, so it never runs inside pytest.
+the punica wrapper vLLM used, and requests per second.  Mode ``bursts``
+keeps the engine and times bursts on request (see :func:`bursts`).  vLLM
+starts its own worker processes, so it never runs inside pytest.
 """
 import json
 import os
@@ -28,10 +29,10 @@ def _lora_args(spec):
                 max_cpu_loras=spec.get("max_cpu_loras"))
 
 
-def offline(spec):
+def _engine(spec):
+    """The engine a spec asks for, its inputs, sampling and each request's adapter."""
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
-    from vllm.platforms import current_platform
 
     args = {k: v for k, v in _lora_args(spec).items() if v is not None}
     llm = LLM(spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=256,
@@ -49,29 +50,49 @@ def offline(spec):
     sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, ignore_eos=True,
                         logprobs=2)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    if spec.get("bench"):
-        llm.generate(inputs[:8], sp, lora_request=reqs[:8], use_tqdm=False)  # warm-up
-    rounds = {}
-    if spec.get("rounds"):
-        # the burst with its adapters and without, in turn, in this one engine
-        plain = [None] * len(reqs)
-        llm.generate(inputs[:8], sp, lora_request=plain[:8], use_tqdm=False)
-        for _ in range(spec["rounds"]):
-            for label, lora in (("adapters", reqs), ("none", plain)):
-                if label not in spec.get("round_labels", ("adapters", "none")):
-                    continue
-                t0 = time.perf_counter()
-                llm.generate(inputs, sp, lora_request=lora, use_tqdm=False)
-                rounds.setdefault(label, []).append(len(prompts) / (time.perf_counter() - t0))
+    return llm, inputs, sp, reqs
+
+
+def offline(spec):
+    from vllm.platforms import current_platform
+
+    llm, inputs, sp, reqs = _engine(spec)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, lora_request=reqs, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[sorted((lp.logprob for lp in step.values()), reverse=True)[:2]
                  for step in o.outputs[0].logprobs] for o in outs]
-    return dict(tokens=tokens, logprobs=logprobs, requests_per_s=len(prompts) / elapsed,
-                rounds=rounds, wrapper=current_platform.get_punica_wrapper(), adapters=[r.lora_name if r else None
-                                                                          for r in reqs])
+    return dict(tokens=tokens, logprobs=logprobs, requests_per_s=len(inputs) / elapsed,
+                wrapper=current_platform.get_punica_wrapper(),
+                adapters=[r.lora_name if r else None for r in reqs])
+
+
+def bursts(spec):
+    """Keep one engine and time a burst of the spec's requests at each line read from stdin.
+
+    A line ``adapters`` sends the requests with their adapters, ``none``
+    without; each burst answers ``RATE <label> <requests/s>`` on stdout.
+    ``READY`` is printed once the engine has run a warm-up burst.  The
+    benchmark keeps several such engines alive and sends them bursts in
+    turn, so that their rates are measured side by side in time.
+    """
+    from vllm.platforms import current_platform
+
+    llm, inputs, sp, reqs = _engine(spec)
+    plain = [None] * len(reqs)
+    llm.generate(inputs[:8], sp, lora_request=reqs[:8], use_tqdm=False)
+    llm.generate(inputs[:8], sp, lora_request=plain[:8], use_tqdm=False)
+    print(f"READY {current_platform.get_punica_wrapper()}", flush=True)
+    for line in sys.stdin:
+        label = line.strip()
+        if not label:
+            break
+        lora = reqs if label == "adapters" else plain
+        t0 = time.perf_counter()
+        llm.generate(inputs, sp, lora_request=lora, use_tqdm=False)
+        print(f"RATE {label} {len(inputs) / (time.perf_counter() - t0)}", flush=True)
+    return {}
 
 
 def _free_port():
@@ -208,7 +229,8 @@ def launch(spec, env=None, timeout=1800):
 def main():
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    result = offline(spec) if spec["mode"] == "offline" else server(spec)
+    run = {"offline": offline, "server": server, "bursts": bursts}[spec["mode"]]
+    result = run(spec)
     print("RESULT " + json.dumps(result), flush=True)
 
 
