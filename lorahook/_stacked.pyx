@@ -14,7 +14,10 @@ tensors as they are, with no copy of any weight per row:
   ``scale * B[s] @ (A[s] @ x[r])`` to ``y[r]`` -- or, with one factor only,
   ``scale * A[s] @ x[r]`` (the shrink of a split product) or
   ``scale * B[s] @ x[r]`` (its expand) -- per slot, as two matrix products
-  over that slot's rows.
+  over that slot's rows;
+* :func:`apply_pairs` does the same for a projection's pairs in the rows' own
+  dtype, on an OpenMP team (:class:`SlotPairs`, :func:`openmp_team`), and
+  :func:`apply_pairs_tensors` on PyTorch tensors read where they lie.
 
 Rows with no slot are never read or written.  Rows, ``x`` and ``y``, may be
 views with a row stride (a slice of columns of a wider output); weights must
@@ -672,11 +675,10 @@ def apply_pairs(SlotRows groups not None, x, y, SlotPairs pairs not None, scale=
     to run.  The GIL is released while the kernel runs.  ``TypeError`` /
     ``ValueError`` for bad arguments, raised before anything is written.
     """
-    cdef int bits = _half_kind(half), i
-    cdef lh_pairs c
-    cdef Py_ssize_t d_in, d_out, s
-    cdef int xk = _rows_kind(x, "x", bits, False, groups.n_rows, &d_in, &c.ldx)
-    cdef int yk = _rows_kind(y, "y", bits, True, groups.n_rows, &d_out, &c.ldy)
+    cdef int bits = _half_kind(half)
+    cdef Py_ssize_t d_in, d_out, ldx, ldy
+    cdef int xk = _rows_kind(x, "x", bits, False, groups.n_rows, &d_in, &ldx)
+    cdef int yk = _rows_kind(y, "y", bits, True, groups.n_rows, &d_out, &ldy)
     if xk != pairs.kind or yk != pairs.kind:
         raise TypeError(f"x ({x.dtype}) and y ({y.dtype}) must have the pairs' dtype")
     if d_in != pairs.d_in:
@@ -684,26 +686,82 @@ def apply_pairs(SlotRows groups not None, x, y, SlotPairs pairs not None, scale=
     if d_out != pairs.d_out:
         raise ValueError(f"y of shape {y.shape} must have width d_out = {pairs.d_out} (the "
                          f"pairs' slices together)")
+    refuse_overlap(<cnp.ndarray>x, <cnp.ndarray>y, "x", "y")
+    _run_pairs(groups, pairs, <const char *>cnp.PyArray_DATA(<cnp.ndarray>x), ldx,
+               <char *>cnp.PyArray_DATA(<cnp.ndarray>y), ldy, scale, add, team)
+
+
+def apply_pairs_tensors(SlotRows groups not None, x, y, SlotPairs pairs not None, dtype,
+                        scale=1.0, *, bint add=True, Team team=None):
+    """:func:`apply_pairs` on two tensors of an array library with no NumPy view made.
+
+    ``x`` and ``y`` are read through ``dtype``, ``itemsize``, ``is_cpu``,
+    ``shape``, ``stride()`` and ``data_ptr()`` (PyTorch's tensor attributes,
+    strides in elements); ``dtype`` is the element type the pairs were made
+    for, in that library's terms (its size is checked against the pairs').  Making NumPy views of 16-bit tensors costs more than the kernel
+    on a decode step's few rows; this reads their layout as it is.
+
+    Returns ``False``, having read and written nothing, when ``x`` or ``y``
+    is not a 2-D CPU tensor of ``dtype`` (of the pairs' element size) with rows of adjacent elements and
+    the pairs' widths (``d_in``, ``d_out``): the caller's other path serves
+    it.  ``ValueError`` (before anything is written) for rows that do not
+    match ``groups`` or for ``x`` and ``y`` sharing memory; else ``True``.
+    """
+    cdef Py_ssize_t item = 4 if pairs.kind == ROWS_F32 else 2
+    cdef Py_ssize_t ldx, ldy, nx, ny
+    if (x.dtype is not dtype or y.dtype is not dtype or x.itemsize != item
+            or y.itemsize != item or not x.is_cpu or not y.is_cpu):
+        return False
+    xs, ys = x.shape, y.shape
+    if len(xs) != 2 or len(ys) != 2 or xs[1] != pairs.d_in or ys[1] != pairs.d_out:
+        return False
+    xst, yst = x.stride(), y.stride()
+    if (xs[1] > 1 and xst[1] != 1) or (ys[1] > 1 and yst[1] != 1):
+        return False
+    nx, ny = xs[0], ys[0]
+    if nx != groups.n_rows or ny != groups.n_rows:
+        raise ValueError(f"x of shape {tuple(xs)} and y of shape {tuple(ys)} must have "
+                         f"{groups.n_rows} rows (the SlotRows' n_rows)")
+    ldx = xst[0] if nx > 1 else xs[1]
+    ldy = yst[0] if ny > 1 else ys[1]
+    if ldx < xs[1] or ldy < ys[1]:
+        return False
+    cdef size_t xa = <size_t>x.data_ptr(), ya = <size_t>y.data_ptr()
+    cdef size_t xe = xa + <size_t>(((nx - 1) * ldx + xs[1]) * item) if nx else xa
+    cdef size_t ye = ya + <size_t>(((ny - 1) * ldy + ys[1]) * item) if ny else ya
+    if nx and xa < ye and ya < xe:
+        raise ValueError("x and y must not overlap (they share memory)")
+    _run_pairs(groups, pairs, <const char *>xa, ldx, <char *>ya, ldy, scale, add, team)
+    return True
+
+
+cdef int _run_pairs(SlotRows groups, SlotPairs pairs, const char *X, Py_ssize_t ldx, char *Y,
+                    Py_ssize_t ldy, scale, bint add, Team team) except -1:
+    """The checks of the slots and ranks, then the kernel on rows whose layout is checked."""
+    cdef lh_pairs c
+    cdef Py_ssize_t s
+    cdef int i
+    cdef const int *rk
     if groups.max_slot >= pairs.n_slots:
         raise ValueError(f"the pairs hold {pairs.n_slots} slots but a row uses slot "
                          f"{groups.max_slot}")
-    cdef const int *rk
     for i in range(pairs.n_slices):
         rk = pairs.slices[i].ranks
         for s in range(pairs.n_slots):
             if rk[s] < 0 or rk[s] > pairs.slices[i].rmax:
                 raise ValueError(f"ranks[{i}][{s}] must be in [0, {pairs.slices[i].rmax}], "
                                  f"got {rk[s]}")
-    refuse_overlap(<cnp.ndarray>x, <cnp.ndarray>y, "x", "y")
     if groups.max_slot < 0:
-        return
+        return 0
     c.order = groups._order
     c.starts = groups._starts
     c.n_slots = groups.max_slot + 1
     c.n_covered = groups._starts[c.n_slots]
-    c.X = <const char *>cnp.PyArray_DATA(<cnp.ndarray>x)
-    c.Y = <char *>cnp.PyArray_DATA(<cnp.ndarray>y)
-    c.d_in = <int>d_in
+    c.X = X
+    c.ldx = ldx
+    c.Y = Y
+    c.ldy = ldy
+    c.d_in = <int>pairs.d_in
     c.kind = pairs.kind
     c.add = add
     c.scale = <float>float(scale)
@@ -723,3 +781,4 @@ def apply_pairs(SlotRows groups not None, x, y, SlotPairs pairs not None, scale=
                 free(c.T)
     if c.T == NULL:
         raise MemoryError("lorahook could not allocate its scratch buffer")
+    return 0

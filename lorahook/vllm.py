@@ -15,7 +15,9 @@ of the stacked slot weights before an ``einsum``.  This wrapper groups the
 step's rows by slot once, in :meth:`~PunicaWrapperLorahook.update_metadata`
 (:class:`lorahook._stacked.SlotRows`), and every linear projection (and the
 logits) then runs :func:`lorahook._stacked.apply_pairs` on vLLM's own
-tensors, with the GIL released:
+tensors, with the GIL released -- a projection's rows read where they lie
+(:func:`~lorahook._stacked.apply_pairs_tensors`: no NumPy view is made, which
+on a decode step's few rows cost more than the kernel):
 
 * **in the model's dtype**: ``A`` is read in place; ``B`` is kept transposed
   in the same dtype; 16-bit rows are read and written as they are, widened in
@@ -65,7 +67,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lorahook._stacked import SlotPairs, SlotRows, apply_pairs, apply_slots, openmp_team
+from lorahook._stacked import (SlotPairs, SlotRows, apply_pairs, apply_pairs_tensors,
+                               apply_slots, openmp_team)
 
 __all__ = ["PunicaWrapperLorahook", "register", "QUALNAME"]
 
@@ -373,6 +376,7 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         # a projection's (A, B) tuples as apply_pairs takes them, by where they live
         # (None: that projection goes the apply_slots way)
         self._pairs: dict[tuple, tuple] = {}
+        self._pairs_by_id: dict[tuple, _Pairs | None] = {}  # the same, by the tensors' ids
         self._team = None
         self._threads = 0
         self.profile = _Profile.from_env()
@@ -456,20 +460,28 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         made at its first call; ``None`` when they are not served."""
         if isinstance(a, torch.Tensor):
             a, b = (a,), (b,)
-        # by where the layer's tensors live: a compiled graph may hand the op other tensor
-        # objects (aliases) of the same memory, whose version counters are the layer's; the
-        # entry keeps the tensors alive, so their addresses are not reused while it is there
-        key = tuple(t.data_ptr() for t in a) + tuple(t.data_ptr() for t in b)
-        got = self._pairs.get(key)
+        # the tensors the entry was made from, by identity: they are kept alive by the
+        # entry, so their ids are theirs alone
+        key = (*map(id, a), *map(id, b))
+        got = self._pairs_by_id.get(key)
         if got is not None:
-            return got[1]
-        try:
-            entry = _Pairs(a, b)
-        except (_Fallback, RuntimeError) as exc:
-            logger.debug("lorahook: a projection goes the apply_slots way: %r", exc)
-            entry = None
-        self._pairs[key] = (a, entry)
-        return entry
+            return got
+        # else by where the layer's tensors live: a compiled graph may hand the op other
+        # tensor objects (aliases) of the same memory, whose version counters are the
+        # layer's; the entry keeps the tensors alive, so their addresses are not reused
+        # while it is there
+        where = tuple(t.data_ptr() for t in a) + tuple(t.data_ptr() for t in b)
+        got = self._pairs.get(where)
+        if got is None:
+            try:
+                entry = _Pairs(a, b)
+            except (_Fallback, RuntimeError) as exc:
+                logger.debug("lorahook: a projection goes the apply_slots way: %r", exc)
+                entry = None
+            got = self._pairs[where] = (a, b, entry)
+        if all(t is u for t, u in zip((*got[0], *got[1]), (*a, *b))):
+            self._pairs_by_id[key] = got[2]  # the entry's own tensors: found by id next time
+        return got[2]
 
     # -- vLLM's interface: each call runs now, or as one torch custom op in a compiled graph --
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
@@ -558,7 +570,11 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
                                  _clock() - t0)
                 t0 = _clock()
             kind = "linear"
-            if pairs.used or not add:  # a projection no adapter in the slots touches: done
+            # a projection no adapter in the slots touches: done.  The tensors' own layout
+            # first (NumPy views of a decode step's rows cost more than its kernel), then
+            # views of other layouts (3-D, say), else vLLM's op
+            if (pairs.used or not add) and not apply_pairs_tensors(
+                    rows, x, y, pairs.pairs, pairs.dtype, scale, add=add, team=self._team):
                 xa, ya = _rows_as(x, pairs.half), _rows_as(y, pairs.half)
                 if ya.shape[1] != pairs.width:
                     raise _Fallback

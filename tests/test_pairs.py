@@ -234,3 +234,63 @@ def test_no_thread_and_no_runtime_unless_asked(tmp_path):
     started, loaded, none = out.stdout.split()
     assert started == "0"
     assert none == str(loaded == "False")
+
+
+@pytest.mark.parametrize("half", KINDS)
+@pytest.mark.parametrize("add", [True, False])
+def test_tensors_are_read_in_place_as_arrays_are(half, add):
+    """apply_pairs_tensors on torch tensors: apply_pairs' bits, float64's values, in place."""
+    torch = pytest.importorskip("torch")
+    from lorahook._stacked import apply_pairs_tensors
+    dtype = {None: torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[half]
+    outs = [33, 16, 5]
+    pairs, ref, slots, x, x64, y, y64 = _problem(half, 9, 37, outs)
+    groups = SlotRows(slots, pairs.n_slots)
+
+    def tensor(arr):
+        t = torch.from_numpy(arr.copy())
+        return t if half is None else t.view(dtype)
+
+    xt, yt = tensor(x), tensor(y)
+    assert apply_pairs_tensors(groups, xt, yt[:, 3:3 + sum(outs)], pairs, dtype, 0.75,
+                               add=add, team=_team(2))
+    want = y.copy()
+    apply_pairs(groups, x, want[:, 3:3 + sum(outs)], pairs, 0.75, add=add, half=half)
+    got = yt.numpy() if half is None else yt.view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    cov = slots >= 0
+    exact = _reference(slots, x64, y64, ref, outs, 0.75, add)
+    mag = _reference(slots, x64, y64, ref, outs, 0.75, add, magnitude=True)
+    assert np.all(np.abs(_widen(got, half)[cov] - exact[cov]) <= TOL[half] * mag[cov])
+
+
+def test_tensors_of_another_layout_are_left_to_the_caller():
+    torch = pytest.importorskip("torch")
+    from lorahook._stacked import apply_pairs_tensors
+    pairs = SlotPairs([np.ones((2, 3, 8), np.float32)], [np.ones((2, 3, 6), np.float32)],
+                      [np.full(2, 3, np.int32)])
+    g = SlotRows(np.array([0, 1, -1, 0]), 2)
+    x, y = torch.ones(4, 8), torch.zeros(4, 6)
+    not_served = {
+        "another dtype": (x.double(), y.double()),
+        "3-D rows": (x.view(2, 2, 8), y),
+        "columns apart": (torch.ones(8, 4).t(), y),
+        "a written output with columns apart": (x, torch.zeros(6, 4).t()),
+        "another width": (x, torch.zeros(4, 7)),
+        "not on the CPU": (x.to("meta"), y),
+    }
+    for what, (xi, yi) in not_served.items():
+        before = yi.clone() if yi.is_cpu else None
+        assert apply_pairs_tensors(g, xi, yi, pairs, xi.dtype if what == "another dtype"
+                                   else torch.float32) is False, what
+        if before is not None:
+            assert torch.equal(yi, before), what
+    assert apply_pairs_tensors(g, x, y, pairs, torch.float16) is False  # not the pairs' dtype
+    with pytest.raises(ValueError, match="4 rows"):
+        apply_pairs_tensors(g, x[:3], y[:3], pairs, torch.float32)
+    buf = torch.zeros(4, 16)
+    with pytest.raises(ValueError, match="overlap"):
+        apply_pairs_tensors(g, buf[:, :8], buf[:, 5:11], pairs, torch.float32)
+    assert torch.count_nonzero(buf) == 0
+    assert apply_pairs_tensors(g, x, y, pairs, torch.float32)
+    assert torch.equal(y[2], torch.zeros(6)) and torch.equal(y[0], torch.full((6,), 24.0))
