@@ -698,13 +698,14 @@ def apply_pairs_tensors(SlotRows groups not None, x, y, SlotPairs pairs not None
     ``x`` and ``y`` are read through ``dtype``, ``itemsize``, ``is_cpu``,
     ``shape``, ``stride()`` and ``data_ptr()`` (PyTorch's tensor attributes,
     strides in elements); ``dtype`` is the element type the pairs were made
-    for, in that library's terms (its size is checked against the pairs').  Making NumPy views of 16-bit tensors costs more than the kernel
-    on a decode step's few rows; this reads their layout as it is.
+    for, in that library's terms (its size is checked against the pairs').
+    Making NumPy views of 16-bit tensors costs more than the kernel on a
+    decode step's few rows; this reads their layout as it is.
 
     Returns ``False``, having read and written nothing, when ``x`` or ``y``
-    is not a 2-D CPU tensor of ``dtype`` (of the pairs' element size) with rows of adjacent elements and
-    the pairs' widths (``d_in``, ``d_out``): the caller's other path serves
-    it.  ``ValueError`` (before anything is written) for rows that do not
+    is not a 2-D CPU tensor of ``dtype`` (of the pairs' element size) with
+    rows of adjacent elements and the pairs' widths (``d_in``, ``d_out``):
+    the caller's other path serves it.  ``ValueError`` (before anything is written) for rows that do not
     match ``groups`` or for ``x`` and ``y`` sharing memory; else ``True``.
     """
     cdef Py_ssize_t item = 4 if pairs.kind == ROWS_F32 else 2

@@ -97,6 +97,9 @@ _HALF = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU  # noqa: E402
 
 
+_UNSEEN = object()  # a cache's "no entry" (an entry may be None)
+
+
 class _Fallback(Exception):
     """A call lorahook does not serve: vLLM's own op runs it."""
 
@@ -463,8 +466,8 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         # the tensors the entry was made from, by identity: they are kept alive by the
         # entry, so their ids are theirs alone
         key = (*map(id, a), *map(id, b))
-        got = self._pairs_by_id.get(key)
-        if got is not None:
+        got = self._pairs_by_id.get(key, _UNSEEN)
+        if got is not _UNSEEN:
             return got
         # else by where the layer's tensors live: a compiled graph may hand the op other
         # tensor objects (aliases) of the same memory, whose version counters are the

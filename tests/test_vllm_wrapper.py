@@ -163,6 +163,29 @@ def test_weights_written_after_a_step_are_seen():
     assert y1.abs().sum() > 0
 
 
+def test_aliases_of_a_layers_weights_share_its_entry_and_follow_its_writes():
+    # a compiled graph may hand the op new tensor objects of the layer's memory at every
+    # call: they find the layer's entry by address, never grow the by-id cache, and see
+    # vLLM's writes into the slots (the version counter is the memory's)
+    gen = torch.Generator().manual_seed(14)
+    a = (_stack((SLOTS, 1, 8, 16), torch.float32, gen),)
+    b = (torch.zeros(SLOTS, 1, 12, 8),)
+    x = _stack((len(TOKENS), 16), torch.float32, gen)
+    ours, theirs = _wrappers()
+    covered = [r for r, s in enumerate(_slot_of(TOKENS)) if s >= 0]
+    ours.add_lora_linear(torch.zeros(len(TOKENS), 12), x, a, b, 1.0, (12,))
+    assert len(ours._pairs) == 1 and len(ours._pairs_by_id) == 1
+    b[0][2, 0].copy_(torch.randn(12, 8, generator=gen))  # slot 2 activated
+    for _ in range(3):
+        aliases_a, aliases_b = (a[0].view(a[0].shape),), (b[0][:],)
+        y1, y2 = torch.zeros(len(TOKENS), 12), torch.zeros(len(TOKENS), 12)
+        ours.add_lora_linear(y1, x, aliases_a, aliases_b, 1.0, (12,))
+        theirs.add_lora_linear(y2, x, a, b, 1.0, (12,))
+        _close(y1[covered], y2[covered], 1e-5)
+        assert y1[covered].abs().sum() > 0
+    assert len(ours._pairs) == 1 and len(ours._pairs_by_id) == 1
+
+
 def test_an_output_the_kernels_cannot_view_goes_to_vllms_op():
     # rows that are not adjacent values (a transposed tensor): vLLM's own op serves the
     # call, in place all the same, never into a copy
