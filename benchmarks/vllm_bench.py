@@ -208,11 +208,12 @@ class _Engine:
     def __init__(self, spec, env, log):
         import json
         import subprocess
+
+        from vllm_run import child_env  # tests/, on the path since make_files
         self.spec_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump({**spec, "mode": "bursts"}, self.spec_file)
         self.spec_file.close()
-        full = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-        full.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1", **env)
+        full = child_env({"PYTHONUNBUFFERED": "1", **env})
         self.log = open(log, "w", encoding="utf-8")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "..", "tests", "vllm_run.py"),

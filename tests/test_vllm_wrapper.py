@@ -142,47 +142,29 @@ def test_embedding_logits_and_full_linear_equal_vllm(dtype):
     _close(c1, c2, 2 * _tol(dtype))
 
 
-def test_weights_written_after_a_step_are_seen():
+@pytest.mark.parametrize("aliases", [False, True])
+def test_weights_written_after_a_step_are_seen(aliases):
     # vLLM writes a slot's weights in place when it activates an adapter: the
-    # transposed copy lorahook keeps must follow
+    # transposed copy lorahook keeps must follow.  With ``aliases``, every call after
+    # the first hands new tensor objects of the layer's memory, as a compiled graph may:
+    # they find the layer's entry by address and never grow the by-id cache
     gen = torch.Generator().manual_seed(4)
     a = (_stack((SLOTS, 1, 8, 16), torch.float32, gen),)
     b = (torch.zeros(SLOTS, 1, 12, 8),)
     x = _stack((len(TOKENS), 16), torch.float32, gen)
     ours, theirs = _wrappers()
-    for step in range(2):
+    covered = [r for r, s in enumerate(_slot_of(TOKENS)) if s >= 0]
+    for step in range(3):
         y1, y2 = torch.zeros(len(TOKENS), 12), torch.zeros(len(TOKENS), 12)
-        ours.add_lora_linear(y1, x, a, b, 1.0, (12,))
+        mine = ((a[0].view(a[0].shape),), (b[0][:],)) if aliases and step else (a, b)
+        ours.add_lora_linear(y1, x, *mine, 1.0, (12,))
         theirs.add_lora_linear(y2, x, a, b, 1.0, (12,))
-        covered = [r for r, s in enumerate(_slot_of(TOKENS)) if s >= 0]
         if step:
             _close(y1[covered], y2[covered], 1e-5)
+            assert y1[covered].abs().sum() > 0
         else:
             assert not y1.any()
             b[0][2, 0].copy_(torch.randn(12, 8, generator=gen))  # slot 2 activated
-    assert y1.abs().sum() > 0
-
-
-def test_aliases_of_a_layers_weights_share_its_entry_and_follow_its_writes():
-    # a compiled graph may hand the op new tensor objects of the layer's memory at every
-    # call: they find the layer's entry by address, never grow the by-id cache, and see
-    # vLLM's writes into the slots (the version counter is the memory's)
-    gen = torch.Generator().manual_seed(14)
-    a = (_stack((SLOTS, 1, 8, 16), torch.float32, gen),)
-    b = (torch.zeros(SLOTS, 1, 12, 8),)
-    x = _stack((len(TOKENS), 16), torch.float32, gen)
-    ours, theirs = _wrappers()
-    covered = [r for r, s in enumerate(_slot_of(TOKENS)) if s >= 0]
-    ours.add_lora_linear(torch.zeros(len(TOKENS), 12), x, a, b, 1.0, (12,))
-    assert len(ours._pairs) == 1 and len(ours._pairs_by_id) == 1
-    b[0][2, 0].copy_(torch.randn(12, 8, generator=gen))  # slot 2 activated
-    for _ in range(3):
-        aliases_a, aliases_b = (a[0].view(a[0].shape),), (b[0][:],)
-        y1, y2 = torch.zeros(len(TOKENS), 12), torch.zeros(len(TOKENS), 12)
-        ours.add_lora_linear(y1, x, aliases_a, aliases_b, 1.0, (12,))
-        theirs.add_lora_linear(y2, x, a, b, 1.0, (12,))
-        _close(y1[covered], y2[covered], 1e-5)
-        assert y1[covered].abs().sum() > 0
     assert len(ours._pairs) == 1 and len(ours._pairs_by_id) == 1
 
 

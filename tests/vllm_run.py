@@ -199,6 +199,18 @@ def _server_work(spec, url):
     return out
 
 
+def child_env(env=None):
+    """The environment a vLLM process of this script gets: this one's, without
+    ``VLLM_PLUGINS`` unless ``env`` names it, no usage reports, 1 GiB of KV cache and
+    CPU 0 unless this environment says otherwise, then ``env``."""
+    full = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    full.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
+    full.update(env or {})
+    return full
+
+
 def launch(spec, env=None, timeout=1800):
     """Run this script on ``spec`` in a fresh process: ``(answer, its output)``.
 
@@ -209,11 +221,7 @@ def launch(spec, env=None, timeout=1800):
     import tempfile
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    full = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    full.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
-    full.update(env or {})
+    full = child_env(env)
     try:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), f.name], env=full,
                               capture_output=True, text=True, timeout=timeout)
