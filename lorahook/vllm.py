@@ -323,20 +323,35 @@ def _team_threads() -> int:
 # the op finds the wrapper, and the step's grouping in it, when it runs.
 _wrappers: "weakref.WeakValueDictionary[int, PunicaWrapperLorahook]" = weakref.WeakValueDictionary()
 
-_SCHEMA = ("punica(Tensor wrapper, str method, Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, "
-           "float scale, int[] slices, int offset, bool add) -> ()")
+_SCHEMA = ("punica(Tensor wrapper, int call, Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, "
+           "float scale) -> ()")
+
+# A graph calls the op once per LoRA projection of every layer, and each argument costs
+# the dispatcher a conversion on every call: the per-call constants travel as one int
+# (see _pack), and a projection's output slices are read from its B tensors' shapes.
+_METHODS = ("linear", "shrink", "expand", "embedding", "logits")
 
 
-def _punica(wrapper, method, y, x, a, b, scale, slices, offset, add) -> None:
+def _pack(method: str, offset: int, add: bool) -> int:
+    """``method``, ``add`` and the output ``offset`` as the op's one ``call`` int."""
+    return _METHODS.index(method) | (bool(add) << 3) | (int(offset) << 4)
+
+
+def _slices(b, slices) -> tuple:
+    """A projection's output slices: as given, else (in a compiled graph) ``B``'s heights."""
+    return tuple(slices) if slices is not None else tuple(t.shape[-2] for t in b)
+
+
+def _punica(wrapper, call, y, x, a, b, scale) -> None:
     """``torch.ops.lorahook.punica``: one wrapper call, run by the wrapper whose handle is ``wrapper``."""
     target = _wrappers.get(wrapper.data_ptr())
     if target is None:
         raise RuntimeError("lorahook: the tensor given as the punica wrapper's handle is no "
                            "live wrapper's in this process")
-    target._run(method, y, x, a, b, scale, slices, offset, add)
+    target._run(_METHODS[call & 7], y, x, a, b, scale, None, call >> 4, bool(call & 8))
 
 
-def _punica_fake(wrapper, method, y, x, a, b, scale, slices, offset, add) -> None:
+def _punica_fake(wrapper, call, y, x, a, b, scale) -> None:
     """What tracing sees: the op writes ``y`` in place and returns nothing."""
     return None
 
@@ -527,8 +542,11 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         the op runs (from :meth:`update_metadata`), never baked into the graph.
         """
         if torch.compiler.is_compiling():
-            torch.ops.lorahook.punica(self._handle, method, y, x, list(a), list(b), float(scale),
-                                      list(slices), int(offset), bool(add))
+            if slices and tuple(slices) != _slices(b, None):
+                raise ValueError(f"lorahook: the {method} call's output slices {tuple(slices)} "
+                                 f"are not its B tensors' heights {_slices(b, None)}")
+            torch.ops.lorahook.punica(self._handle, _pack(method, offset, add), y, x, list(a),
+                                      list(b), float(scale))
         else:
             self._run(method, y, x, a, b, scale, slices, offset, add)
 
@@ -552,11 +570,11 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         if method == "linear":
             if not add:  # vLLM's CPU op always adds
                 y.zero_()
-            own.add_lora_linear(self, y, x, tuple(a), tuple(b), scale, tuple(slices))
+            own.add_lora_linear(self, y, x, tuple(a), tuple(b), scale, _slices(b, slices))
         elif method == "shrink":
             own.add_shrink(self, y, x, tuple(a), scale)
         elif method == "expand":
-            own.add_expand(self, y, x, tuple(b), tuple(slices), offset_start=offset,
+            own.add_expand(self, y, x, tuple(b), _slices(b, slices), offset_start=offset,
                            add_inputs=add)
         elif method == "embedding":
             own.add_lora_embedding(self, y, x, b[0], add_inputs=add)
@@ -569,7 +587,7 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         pairs = self._pairs_of(a_stacked, b_stacked)
         if pairs is not None and x.dtype == y.dtype == pairs.dtype:
             if pairs.refresh() and self.profile is not None:
-                self.profile.add(("slot writes", x.shape[-1], tuple(output_slices)),
+                self.profile.add(("slot writes", x.shape[-1], _slices(b_stacked, output_slices)),
                                  _clock() - t0)
                 t0 = _clock()
             kind = "linear"
@@ -589,7 +607,8 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
             xa, ya = _rows(x, half), _rows(y, half)
             calls = []
             offset = 0
-            for a_t, b_t, size in zip(a_stacked, b_stacked, output_slices, strict=True):
+            for a_t, b_t, size in zip(a_stacked, b_stacked, _slices(b_stacked, output_slices),
+                                      strict=True):
                 b, _, _ = self._b(b_t, half)
                 calls.append((self._factor(a_t, half)[0], b, ya[:, offset:offset + size]))
                 offset += size
@@ -597,7 +616,8 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
             for a, b, out in calls:
                 apply_slots(rows, xa, out, a, scale=scale, add=add, half=hk, **b)
         if self.profile is not None:
-            self.profile.add((kind, x.shape[-1], tuple(output_slices)), _clock() - t0)
+            self.profile.add((kind, x.shape[-1], _slices(b_stacked, output_slices)),
+                             _clock() - t0)
 
     def _shrink(self, rows, y, x, a_stacked, b_stacked, scale, slices, offset, add):
         half: list = []
@@ -613,7 +633,8 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         half: list = []
         ya = _rows(y, half)
         calls = []
-        for i, (b_t, size) in enumerate(zip(b_stacked, output_slices, strict=True)):
+        for i, (b_t, size) in enumerate(zip(b_stacked, _slices(b_stacked, output_slices),
+                                                 strict=True)):
             b, _, rank = self._b(b_t, half)
             calls.append((_rows(x[i], half)[:, :rank], b, ya[:, offset:offset + size]))
             offset += size

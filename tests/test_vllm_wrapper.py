@@ -421,13 +421,56 @@ def test_the_custom_op_traces_as_a_write_of_its_output():
     with FakeTensorMode():
         y, x = torch.empty(5, 8), torch.empty(5, 4)
         a, b = [torch.empty(SLOTS, 1, 2, 4)], [torch.empty(SLOTS, 1, 8, 2)]
-        assert op(torch.empty(1), "linear", y, x, a, b, 1.0, [8], 0, True) is None
+        assert op(torch.empty(1), lv._pack("linear", 0, True), y, x, a, b, 1.0) is None
 
 
 def test_the_custom_op_names_a_handle_that_is_no_wrappers():
     with pytest.raises(RuntimeError, match="no live wrapper's in this process"):
-        torch.ops.lorahook.punica(torch.zeros(1), "linear", torch.zeros(2, 4),
-                                  torch.zeros(2, 4), [], [], 1.0, [4], 0, True)
+        torch.ops.lorahook.punica(torch.zeros(1), lv._pack("linear", 0, True),
+                                  torch.zeros(2, 4), torch.zeros(2, 4), [], [], 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_shrink_and_expand_equal_eager(dtype):
+    # the op's one int carries method, add and offset; the slices come from B's heights
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(12)
+    n, d_in, slices, rank, offset = len(TOKENS), 40, (24, 16), 8, 8
+    a = tuple(_stack((SLOTS, 1, rank, d_in), dtype, gen) for _ in slices)
+    b = tuple(_stack((SLOTS, 1, s, rank), dtype, gen) for s in slices)
+    x = _stack((n, d_in), dtype, gen)
+    y0 = _stack((n, offset + sum(slices) + 4), dtype, gen)
+    wrapper = _wrappers()[0]
+
+    def project(y, buf, add):
+        wrapper.add_shrink(buf, x, a, 2.0)
+        wrapper.add_expand(y, buf, b, slices, offset_start=offset, add_inputs=add)
+        return y * 1
+
+    backend = _Counting()
+    compiled = torch.compile(project, backend=backend, fullgraph=True)
+    for add in (True, False):
+        got = [f(y0.clone(), torch.zeros(len(slices), n, rank), add) for f in (compiled, project)]
+        assert torch.equal(got[0], got[1])
+        assert torch.equal(got[0][:, :offset], y0[:, :offset])  # before the offset: untouched
+        assert not torch.equal(got[0][:, offset:offset + sum(slices)],
+                               y0[:, offset:offset + sum(slices)])
+    assert backend.ops == ["placeholder"] * 4  # shrink and expand, one graph for each add
+
+
+def test_a_compiled_call_whose_slices_are_not_bs_is_named():
+    torch._dynamo.reset()
+    wrapper = _wrappers()[0]
+    a, b = (torch.zeros(SLOTS, 1, 4, 8),), (torch.zeros(SLOTS, 1, 6, 4),)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def project(y, x):
+        wrapper.add_lora_linear(y, x, a, b, 1.0, (5,))
+        return y
+
+    with pytest.raises(Exception, match=r"output slices \(5,\) are not its B tensors' "
+                                        r"heights \(6,\)"):
+        project(torch.zeros(len(TOKENS), 6), torch.zeros(len(TOKENS), 8))
 
 
 class _CompilingPlatform:
