@@ -22,7 +22,7 @@ from .adapter_set import AdapterSet
 from .bound import BoundBatch, BoundSequences
 from . import threads
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "LoraHook",

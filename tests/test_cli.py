@@ -292,3 +292,21 @@ def test_serve_checks_for_ray_serve_without_importing_ray(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "False", out.stdout
+
+
+def test_version_is_the_packages_and_its_metadatas():
+    import importlib.metadata
+    import re
+
+    import lorahook
+    code, out, err = run("--version")
+    assert code == 0, err
+    assert out.strip() == f"lorahook {lorahook.__version__}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", lorahook.__version__)
+    # one source: the installed distribution's metadata reads the same version
+    assert importlib.metadata.version("lorahook") == lorahook.__version__
+    # and the changelog names it, when it is next to the tests
+    changelog = os.path.join(HERE, "..", "CHANGELOG.md")
+    if os.path.exists(changelog):
+        with open(changelog, encoding="utf-8") as f:
+            assert f"\n## {lorahook.__version__}\n" in f.read()
