@@ -1,4 +1,4 @@
-"""AdapterSet.bind_sequences (README: One hook for a whole generation loop): one hook for the prefill and every decode step.
+"""AdapterSet.bind_sequences (guide: A whole generation loop): one hook for the prefill and every decode step.
 
 Every result is checked row by row against a float64 numpy reference of the
 adapter its sequence selected; rows without an adapter, or at scale zero, must

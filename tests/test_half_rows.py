@@ -1,4 +1,4 @@
-"""Half-precision rows and adapters (README: Half precision).
+"""Half-precision rows and adapters (guide: Half precision).
 
 Rows of float16 or bfloat16 (``ml_dtypes.bfloat16``) go through a
 ``LoraAdapter``, a bound batch and a sequence-bound hook; every output must be
