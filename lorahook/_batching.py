@@ -536,10 +536,28 @@ def batch(max_batch_size=16, batch_wait_timeout_s=0.01, max_adapters=None, conti
         replica never holds enough requests to fill a batch.  Outside Ray
         there is no check, and ray is never imported.
 
-    Raises ``TypeError`` or ``ValueError`` naming the argument at fault for
-    invalid settings, a function that is not ``async def`` or has the wrong
-    parameters, and (at the call) an adapter name that is not a non-empty
-    ``str`` or ``None``.
+    Parameters
+    ----------
+    max_batch_size : int, default 16
+        The most calls in one batch (the most open items, continuous).
+    batch_wait_timeout_s : float, default 0.01
+        How long a batch waits, from its oldest pending call, to fill.
+    max_adapters : None, int or callable, default None
+        The distinct adapters a batch may hold (see above).
+    continuous : bool, default False
+        Let pending calls join a running streaming batch between its steps.
+
+    Returns
+    -------
+    callable
+        The decorator (or, used bare as ``@batch``, the batched function).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument at fault, for invalid settings, a function that
+        is not ``async def`` or has the wrong parameters, and (at the call)
+        an adapter name that is not a non-empty ``str`` or ``None``.
     """
     if callable(max_batch_size) and not isinstance(max_batch_size, numbers.Number):
         # Used bare: @batch

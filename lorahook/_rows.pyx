@@ -418,19 +418,42 @@ cdef object _private_ids(object ids, Py_ssize_t n):
 def apply_lora_embedding(hook, layer_idx, module, ids, output, output_row_width=None):
     """Add ``hook``'s embedding LoRA delta to every row of ``output`` in place.
 
-    ``ids`` (a 1-D int32 or int64 array) holds one token id per row of
-    ``output`` (C-contiguous, float32 / float16 / bfloat16, 1-D with
-    ``output_row_width`` or 2-D): the row of id ``i`` gets
-    ``scale * B @ A[:, i]`` added (PEFT's ``lora_embedding_A`` ``(r,
-    num_embeddings)`` and ``lora_embedding_B`` ``(embedding_dim, r)``), or,
-    for an adapter that saved the embedding whole (``modules_to_save``),
-    becomes that module's row ``i``.  The call is checked first (types,
-    shapes, row counts, a bound hook's row count), then ``is_active``, then
-    the covering layers: an embedding layer each, of the output's width, and
-    every id in ``[0, num_embeddings)`` -- a ``ValueError`` before anything
-    is written.  Runs in the compiled core with the GIL released, for a
-    :class:`~lorahook.LoraAdapter` and a bound batch or sequence selection
-    (rows mixed per adapter); other hooks are a ``TypeError``.
+    The row of token id ``i`` gets ``scale * B @ A[:, i]`` added (PEFT's
+    ``lora_embedding_A`` ``(r, num_embeddings)`` and ``lora_embedding_B``
+    ``(embedding_dim, r)``), or, for an adapter that saved the embedding
+    whole (``modules_to_save``), becomes that module's row ``i``.
+
+    Parameters
+    ----------
+    hook : LoraAdapter or a bound AdapterSet batch or sequence selection
+        What to apply (rows may mix adapters); runs in the compiled core with
+        the GIL released.
+    layer_idx : int
+        The layer of the embedding (``0`` for a model's input embedding).
+    module : str
+        The embedding's name (``"embed_tokens"``, ...).
+    ids : ndarray
+        One token id per row of ``output``: 1-D, int32 or int64.
+    output : ndarray
+        The embedded rows: C-contiguous, float32, float16 or bfloat16, 1-D
+        with ``output_row_width`` or 2-D ``(rows, embedding_dim)``; updated
+        in place.
+    output_row_width : int, optional
+        The embedding dimension; needed for a 1-D ``output``.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        For a hook that is not an adapter or a bound batch, and for the
+        arrays' types and dtypes.
+    ValueError
+        For shapes, row counts, a bound hook's row count, a covering layer
+        that is not an embedding of the output's width, or an id outside
+        ``[0, num_embeddings)``.  Nothing is written when a check fails.
     """
     return _apply_ids(hook, layer_idx, module, ids, output, output_row_width, -1)
 
@@ -484,29 +507,73 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width=None
                     output_row_width=None):
     """Add ``hook``'s LoRA delta to every row of ``output`` in place.
 
-    ``input`` holds the rows given to the base projection and ``output`` its
-    result, each a C-contiguous ``ndarray``, either flattened 1-D
-    (``len == rows * width``) or 2-D ``(rows, width)``, both of one dtype:
-    float32, float16 or bfloat16 (an ``ml_dtypes.bfloat16`` array; lorahook
-    recognises the dtype once the caller has imported ml_dtypes, and never
-    imports it itself).  The widths may be left out for 2-D arrays: they are
-    then ``input.shape[1]`` and ``output.shape[1]`` (given ones are checked
-    against the shapes; a 1-D buffer needs its width, ``TypeError``).
-    Half-precision rows are widened to float32, the
-    delta is added to the widened output and the sum is rounded once to the
-    output dtype (to nearest even); generic Python hooks get float32 rows
-    only (``TypeError`` for half rows).  The call is checked
-    first, whatever the hook (``TypeError`` for the hook's type, types,
-    dtypes and non-integer widths; ``ValueError`` for ndim, contiguity,
-    writability, widths, row counts, overlapping buffers and a bound hook's
-    row count); nothing is written when a check fails.  Then
-    ``hook.is_active(layer_idx, module)`` is asked once (a registered virtual
-    subclass without ``is_active`` counts as active); an inactive hook returns
-    at once.  The widths of the layers that cover the projection are checked
-    against the call's, for zero-row calls too.  A
-    :class:`~lorahook.LoraAdapter` or a bound :class:`~lorahook.AdapterSet`
-    batch runs in the compiled core with the GIL released, on the calling
-    thread; any other hook gets one ``apply`` call per row, in row order.
+    The server computes ``output = input @ W.T`` for a batch of token rows,
+    then calls this: every row gets ``scale * B @ (A @ x)`` of the adapter
+    (or adapters) ``hook`` holds for projection ``(layer_idx, module)``.
+
+    Parameters
+    ----------
+    hook : LoraHook, LoraAdapter or a bound AdapterSet batch
+        What to apply.  A :class:`~lorahook.LoraAdapter` or a batch bound by
+        :meth:`~lorahook.AdapterSet.bind` runs in the compiled core with the
+        GIL released, on the calling thread; any other hook gets one
+        :meth:`~lorahook.LoraHook.apply` call per row, in row order (float32
+        rows only).
+    layer_idx : int
+        The layer the projection belongs to.
+    module : str
+        The projection's name (``"q_proj"``, ``"down_proj"``, ...).
+    input : ndarray
+        The rows given to the base projection: C-contiguous, flattened 1-D
+        (``len == rows * input_row_width``) or 2-D ``(rows, d_in)``; float32,
+        float16 or bfloat16 (an ``ml_dtypes.bfloat16`` array: lorahook
+        recognises the dtype once the caller has imported ml_dtypes, and
+        never imports it itself).
+    output : ndarray
+        The projection's result, the same layout and dtype as ``input``,
+        writable, not overlapping ``input``; updated in place.
+    input_row_width, output_row_width : int, optional
+        ``d_in`` and ``d_out``.  Needed for 1-D buffers; for 2-D arrays they
+        default to ``shape[1]``, and given ones are checked against it.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    TypeError
+        For the hook's type, the arrays' types and dtypes, non-integer
+        widths, a 1-D buffer without its width, or half-precision rows for a
+        generic Python hook.
+    ValueError
+        For ndim, contiguity, writability, widths, row counts, overlapping
+        buffers, a bound hook's row count, or adapter layers whose
+        ``(d_in, d_out)`` differ from the call's (checked for zero-row calls
+        too).  Nothing is written when a check fails.
+
+    Notes
+    -----
+    Every check runs before anything is written.  Then
+    ``hook.is_active(layer_idx, module)`` is asked once (a registered
+    virtual subclass without ``is_active`` counts as active); an inactive
+    hook returns at once.  Half-precision rows are widened to float32, the
+    delta is added to the widened output, and the sum is rounded once to
+    the output dtype (to nearest even).  Results equal a float64 reference
+    to float32 accuracy.
+
+    Examples
+    --------
+    >>> import numpy as np, lorahook
+    >>> rng = np.random.default_rng(0)
+    >>> layer = lorahook.LoraLayer(rng.standard_normal((4, 16)), rng.standard_normal((8, 4)),
+    ...                            scale=0.5)
+    >>> adapter = lorahook.LoraAdapter({(0, "q_proj"): layer})
+    >>> x = rng.standard_normal((3, 16)).astype(np.float32)
+    >>> y = np.zeros((3, 8), np.float32)
+    >>> lorahook.apply_lora_rows(adapter, 0, "q_proj", x, y)
+    >>> bool(np.allclose(y, 0.5 * x @ layer.a.T @ layer.b.T, rtol=1e-5, atol=1e-5))
+    True
     """
     return _apply(hook, layer_idx, module, input, output, input_row_width, output_row_width, -1)
 

@@ -89,6 +89,49 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
     this adapter's rows; a key is a LoRA layer or a saved module, not both.
     Layers may be DoRA (``magnitude``; see :meth:`with_base`) or embedding
     LoRA (:func:`lorahook.apply_lora_embedding`).
+
+    Parameters
+    ----------
+    layers : mapping of (int or None, str) to LoraLayer
+        The adapter's layers, by ``(layer_idx, module)``.
+    name : str, optional
+        A name for messages and ``repr``.
+    metadata : mapping of str to str, optional
+        Free-form metadata (what a safetensors header carries).
+    module_paths : mapping of key to str, optional
+        Each key's module path in the base model, for :meth:`save_peft`.
+    saved_modules : mapping of key to SavedModule, optional
+        Whole modules the adapter replaces (PEFT's ``modules_to_save``).
+
+    Raises
+    ------
+    TypeError
+        For a key or value of the wrong type, naming the key.
+    ValueError
+        For a malformed or duplicate key, or a key that is both a layer and a
+        saved module.
+
+    See Also
+    --------
+    from_peft : load a PEFT adapter directory.
+    AdapterSet : many adapters in one batch.
+
+    Examples
+    --------
+    >>> import numpy as np, lorahook
+    >>> layer = lorahook.LoraLayer(np.ones((2, 8)), np.ones((8, 2)))
+    >>> adapter = lorahook.LoraAdapter({(0, "q_proj"): layer, (1, "q_proj"): layer},
+    ...                                name="support")
+    >>> adapter.num_adapted_layers
+    2
+    >>> model = lorahook.LlamaConfig(hidden_size=8, num_hidden_layers=2,
+    ...                              num_attention_heads=2, intermediate_size=16)
+    >>> adapter.validate_against(model)
+    >>> adapter.validate_against(lorahook.LlamaConfig(hidden_size=16, num_hidden_layers=2,
+    ...                                               num_attention_heads=2, intermediate_size=32))
+    Traceback (most recent call last):
+    ...
+    lorahook.errors.LoraValidationError: adapter layer 0 module 'q_proj' has (d_in, d_out) = (8, 8), but the model's projection is (d_in, d_out) = (16, 16)
     """
 
     __slots__ = ("_layers", "_name", "_metadata", "_module_paths", "_view", "_saved",
@@ -318,12 +361,26 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
     def validate_against(self, config):
         """Check every key against a model's projection table.
 
-        ``config`` is any :class:`~lorahook.ModelGeometry` (``Qwen35Config``,
-        ``BertConfig``, ``LlamaConfig``, ``Phi3Config``, ... or what
-        ``lorahook.torch.geometry_of`` returns).  Keys are checked in sorted
-        order and the first misfit raises :class:`~lorahook.LoraValidationError`
-        naming the layer, the module, the adapter's ``(d_in, d_out)`` and the
-        model's.  Ranks above ``min(d_in, d_out)`` are valid.
+        Parameters
+        ----------
+        config : ModelGeometry
+            The model: ``Qwen35Config``, ``BertConfig``, ``LlamaConfig``,
+            ``Phi3Config``, ... what :func:`~lorahook.load_model_config` or
+            ``lorahook.torch.geometry_of`` returns.
+
+        Returns
+        -------
+        None
+            When every layer fits.
+
+        Raises
+        ------
+        TypeError
+            When ``config`` is not a :class:`~lorahook.ModelGeometry`.
+        LoraValidationError
+            At the first misfit, keys in sorted order, naming the layer, the
+            module, the adapter's ``(d_in, d_out)`` and the model's.  Ranks
+            above ``min(d_in, d_out)`` are valid.
         """
         if not isinstance(config, ModelGeometry):
             raise TypeError(
@@ -386,9 +443,27 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
     def from_peft(cls, path, dtype=None):
         """Load a PEFT adapter directory (``adapter_config.json`` + safetensors).
 
-        Module paths of every family lorahook knows are placed (``lorahook.models``);
-        see :func:`lorahook.files.read_peft` for the rules and refusals.  ``dtype``
-        (``None``: float32) keeps the arrays in float16 or bfloat16, as :meth:`astype`.
+        Parameters
+        ----------
+        path : str or os.PathLike
+            The directory ``save_pretrained`` wrote.
+        dtype : {None, "float32", "float16", "bfloat16"}, optional
+            The arrays' dtype (``None``: float32), as :meth:`astype`.
+
+        Returns
+        -------
+        LoraAdapter
+            The adapter, with the module path of each key; module paths of
+            every family lorahook knows are placed (``lorahook.models``).
+
+        Raises
+        ------
+        LoraFormatError
+            For a file that is not a PEFT adapter lorahook reads (a missing
+            or malformed config or tensor, a size the file does not hold, an
+            unknown module path), naming the file and what was wrong.  No
+            array is allocated from a size the file claims before the file is
+            checked to hold it.
         """
         dt = None if dtype is None else _weight_dtype(dtype)
         adapter = cls._from_data(read_peft(path))
@@ -402,9 +477,21 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
     def save_peft(self, path, architecture=None, metadata=None):
         """Write a PEFT adapter directory that ``peft.PeftModel.from_pretrained`` loads.
 
-        ``architecture`` names the base model's layout (``"llama"``, ``"phi3"``,
-        ``"qwen3_5"``, ``"bert"``, ... see :func:`lorahook.files.write_peft`); without it
-        the module paths the adapter was loaded with are written.
+        Parameters
+        ----------
+        path : str or os.PathLike
+            The directory to write (created if missing).
+        architecture : str, optional
+            The base model's layout (``"llama"``, ``"phi3"``, ``"qwen3_5"``,
+            ``"bert"``, ...); without it the module paths the adapter was
+            loaded with are written.
+        metadata : mapping of str to str, optional
+            Written into the safetensors header.
+
+        Returns
+        -------
+        str
+            The directory's path.
         """
         return write_peft(self, path, architecture=architecture, metadata=metadata)
 

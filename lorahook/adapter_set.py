@@ -110,6 +110,36 @@ class AdapterSet:
     instances (``TypeError`` otherwise).  ``names()``, ``in`` and ``len``
     speak of resident adapters.  All methods may be called from any thread
     at any time.
+
+    Parameters
+    ----------
+    model : ModelGeometry, optional
+        The base model every adapter is checked against before it is
+        installed (``None``: not checked).
+    capacity_bytes : int, optional
+        The most the resident adapters may hold (``None``: no bound).
+    resolver : str, os.PathLike or callable, optional
+        How a name that is not resident is loaded on first use.
+    base_weights : mapping or callable, optional
+        The base weights DoRA layers need, as :meth:`set_base_weights` takes.
+
+    Examples
+    --------
+    >>> import numpy as np, lorahook
+    >>> model = lorahook.LlamaConfig(hidden_size=8, num_hidden_layers=1,
+    ...                              num_attention_heads=2, intermediate_size=16)
+    >>> def adapter(value):
+    ...     layer = lorahook.LoraLayer(np.full((2, 8), value), np.ones((8, 2)))
+    ...     return lorahook.LoraAdapter({(0, "q_proj"): layer})
+    >>> adapters = lorahook.AdapterSet(model=model)
+    >>> adapters.add("support", adapter(0.5))
+    >>> adapters.add("legal", adapter(-1.0))
+    >>> hook = adapters.bind(["support", None, "legal"])   # one adapter (or none) per row
+    >>> x = np.ones((3, 8), np.float32)
+    >>> y = np.zeros((3, 8), np.float32)
+    >>> lorahook.apply_lora_rows(hook, 0, "q_proj", x, y)
+    >>> y[:, 0].tolist()
+    [8.0, 0.0, -16.0]
     """
 
     __slots__ = ("_model", "_lock", "_installed", "_capacity", "_resolver", "_lru",
@@ -392,11 +422,27 @@ class AdapterSet:
     def add(self, name, adapter, pin=False):
         """Install ``adapter`` under ``name``, which must not be resident.
 
-        ``ValueError`` if ``name`` is resident (a name the resolver knows but
-        that is not resident is installed as given).  The adapter is
-        validated against the model (if any) first; least recently used
-        adapters are evicted to fit the capacity (``LoraCapacityError`` if it
-        cannot fit, nothing changed).  ``pin=True`` pins it.
+        The adapter is validated against the model (if any) first; least
+        recently used adapters are evicted to fit the capacity.  A name the
+        resolver knows but that is not resident is installed as given.
+
+        Parameters
+        ----------
+        name : str
+            A non-empty name.
+        adapter : LoraAdapter
+            The adapter.
+        pin : bool, default False
+            Pin it: never evicted until :meth:`unpin`.
+
+        Raises
+        ------
+        ValueError
+            If ``name`` is resident (use :meth:`replace`).
+        LoraValidationError
+            If the adapter does not fit the model; nothing changed.
+        LoraCapacityError
+            If it cannot fit the capacity; nothing changed, nothing evicted.
         """
         check_name(name)
         if name in self._installed:
@@ -511,27 +557,41 @@ class AdapterSet:
     def bind(self, row_adapters, scales=None):
         """A hook for one batch of ``len(row_adapters)`` rows.
 
-        ``row_adapters`` gives, per row, the name of an installed adapter or
-        ``None`` (no adapter).  ``scales`` multiplies the adapters' own scales:
+        Parameters
+        ----------
+        row_adapters : sequence of str or None
+            Per row, the name of an installed adapter (or one the resolver
+            loads) or ``None`` (no adapter).
+        scales : None, float, sequence of float or mapping of str to float
+            Multiplies the adapters' own scales: ``None``, ``1`` for every
+            row; one finite real, the same factor for every row; one finite
+            real per row; or ``name -> factor`` for that adapter's rows
+            (names must be installed; adapters not named get ``1``).
 
-        * ``None``: ``1`` for every row;
-        * one finite real number: the same factor for every row;
-        * a sequence (or 1-D array) of one finite real per row;
-        * a mapping ``name -> finite real``: the factor for that adapter's
-          rows (names must be installed; adapters not named get ``1``).
+        Returns
+        -------
+        BoundBatch
+            A hook for :func:`~lorahook.apply_lora_rows` on exactly
+            ``len(row_adapters)`` rows (another row count is a
+            ``ValueError``), a snapshot of the adapters installed now.  Rows
+            with ``None`` or an effective scale of zero are never written.
 
-        Raises ``KeyError`` naming the unknown adapter names, ``ValueError``
-        for a wrong number of scales or a non-finite scale (also when a
-        factor times a layer's scale overflows float32), ``TypeError`` for
-        entries that are neither ``str`` nor ``None`` and for scales that are
-        not real numbers.  Rows with ``None`` or an effective scale of zero
-        are never written.
+        Raises
+        ------
+        KeyError
+            Naming the unknown adapter names.
+        ValueError
+            For a wrong number of scales or a non-finite scale (also when a
+            factor times a layer's scale overflows float32).
+        TypeError
+            For entries that are neither ``str`` nor ``None``, and scales
+            that are not real numbers.
 
-        The hook is a snapshot of the adapters installed now.  Passing it
-        to :func:`~lorahook.apply_lora_rows` with a different row count
-        raises ``ValueError``.  Binding is cheap (rows are grouped by
-        adapter once; each projection's plan is made on its first call), so a
-        server may bind once per step of a packed, continuous batch.
+        Notes
+        -----
+        Binding is cheap (rows are grouped by adapter once; each
+        projection's plan is made on its first call), so a server may bind
+        once per step of a packed, continuous batch.
         """
         names, parts = self._bind_parts(row_adapters, scales, "row_adapters", "row")
         return BoundBatch._make(names, parts)
@@ -539,8 +599,21 @@ class AdapterSet:
     def bind_sequences(self, seq_adapters, scales=None):
         """A hook for every call of a generation loop over ``len(seq_adapters)`` sequences.
 
-        ``seq_adapters`` gives, per sequence, an installed adapter name or
-        ``None``; ``scales`` is as in :meth:`bind`, per sequence.  The hook
+        Parameters
+        ----------
+        seq_adapters : sequence of str or None
+            Per sequence, an installed adapter name or ``None``.
+        scales : None, float, sequence of float or mapping of str to float
+            As in :meth:`bind`, per sequence.
+
+        Returns
+        -------
+        BoundSequences
+            The hook for the prefill and every decode step.
+
+        Notes
+        -----
+        The hook
         serves any call whose row count ``n`` is a multiple of
         ``S = len(seq_adapters)``, rows laid out sequence-major: row ``r``
         belongs to sequence ``r // (n // S)``.  So one hook serves the

@@ -40,6 +40,42 @@ class LoraLayer:
     * B @ A||`` (per output row).  A DoRA layer needs its base weight once:
     :meth:`with_base` returns the layer that applies; applying one without
     it raises ``ValueError`` before anything is written.
+
+    Parameters
+    ----------
+    a : array_like, shape (rank, d_in)
+        The down projection (``lora_A.weight``); float32, float16 or
+        bfloat16 values (16-bit factors are kept in 16 bits).
+    b : array_like, shape (d_out, rank)
+        The up projection (``lora_B.weight``), of ``a``'s dtype.
+    scale : float, default 1.0
+        The factor on the product (PEFT's ``lora_alpha / r``); finite and
+        representable in float32.
+    bias : array_like, shape (d_out,), optional
+        PEFT's ``lora_bias``, scaled like the product.
+    magnitude : array_like, shape (d_out,), optional
+        PEFT's ``lora_magnitude_vector``: a DoRA layer.
+    embedding : bool, default False
+        PEFT's embedding LoRA (no bias, no DoRA).
+
+    Raises
+    ------
+    TypeError
+        For arrays that are not numeric or a scale that is not a real number.
+    ValueError
+        For shapes that do not agree (naming both), non-finite values, or a
+        variant that does not combine (an embedding with a bias or DoRA).
+
+    Examples
+    --------
+    >>> import numpy as np, lorahook
+    >>> layer = lorahook.LoraLayer(np.ones((2, 3)), np.ones((4, 2)), scale=0.5)
+    >>> (layer.rank, layer.d_in, layer.d_out)
+    (2, 3, 4)
+    >>> lorahook.LoraLayer(np.ones((2, 3)), np.ones((4, 5)))
+    Traceback (most recent call last):
+    ...
+    ValueError: ranks disagree: a has shape (2, 3) (rank 2), b has shape (4, 5) (rank 5)
     """
 
     __slots__ = ("_a", "_bt", "_scale", "_bias", "_kernel", "_embedding", "_magnitude", "_dora")

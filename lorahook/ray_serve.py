@@ -143,6 +143,25 @@ def multiplexed(adapters, max_num_models_per_replica):
 
     The loader has two attributes for inspection: ``load.adapters`` (the
     set) and ``load.routed()`` (the names Ray's list holds now, sorted).
+
+    Parameters
+    ----------
+    adapters : AdapterSet
+        The replica's adapter set.
+    max_num_models_per_replica : int
+        Ray's ``serve.multiplexed`` count of models per replica, ``>= 1``.
+
+    Returns
+    -------
+    coroutine function
+        ``await load(name)``: the name, resident and reported to Ray's
+        routers, or ``None`` for the base model.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For an ``adapters`` that is not an :class:`~lorahook.AdapterSet` or
+        a count that is not an int ``>= 1``.
     """
     if not isinstance(adapters, AdapterSet):
         raise TypeError(f"adapters must be a lorahook.AdapterSet, found {describe(adapters)}")
@@ -446,5 +465,18 @@ def shared_resolver(resolver, *, name="lorahook-adapters"):
     resolver that joins a running actor loading with another resolver (another
     directory, another callable) warns once, with a ``RuntimeWarning``: names
     resolve as the running actor does.
+
+    Parameters
+    ----------
+    resolver : str, os.PathLike or callable
+        A directory of PEFT adapters or a callable ``name -> LoraAdapter |
+        path | None``, as :class:`~lorahook.AdapterSet` takes.
+    name : str, default "lorahook-adapters"
+        The actor's name in Ray namespace ``lorahook``.
+
+    Returns
+    -------
+    SharedResolver
+        A picklable resolver for the replicas' adapter sets.
     """
     return SharedResolver(resolver, name)

@@ -128,17 +128,32 @@ def _shared(ours, numpy_blas):
 def configure(blas_threads=None):
     """Set the threads of the BLAS lorahook's kernels call; the one process-wide setting.
 
-    ``blas_threads`` is an int ``>= 1``, or ``None``.  An int sets SciPy's
-    BLAS (the library :func:`info` reports as lorahook's) to that many
-    threads, for every user of that library in the process; numpy's BLAS is
-    never touched, and when numpy shares SciPy's BLAS nothing is changed
-    (there is one pool, nothing to separate).  ``None`` gives back the thread
-    count lorahook found before it first changed it and leaves the BLAS alone
-    from then on.  Either call counts as an explicit choice, so the one-time
-    warning about two fighting BLAS pools is not given.
+    Parameters
+    ----------
+    blas_threads : int or None
+        An int ``>= 1`` sets SciPy's BLAS (the library :func:`info` reports
+        as lorahook's) to that many threads, for every user of that library
+        in the process; numpy's BLAS is never touched, and when numpy shares
+        SciPy's BLAS nothing is changed (there is one pool, nothing to
+        separate).  ``None`` gives back the thread count lorahook found
+        before it first changed it and leaves the BLAS alone from then on.
 
-    Returns the previous ``blas_threads`` setting (``None`` when unset).
-    ``TypeError`` for a non-integer, ``ValueError`` for a count below 1.
+    Returns
+    -------
+    int or None
+        The previous ``blas_threads`` setting (``None`` when unset).
+
+    Raises
+    ------
+    TypeError
+        For a count that is not an integer.
+    ValueError
+        For a count below 1.
+
+    Notes
+    -----
+    Either call counts as an explicit choice, so the one-time warning about
+    two fighting BLAS pools is not given.
     """
     if blas_threads is not None:
         if isinstance(blas_threads, bool) or not hasattr(type(blas_threads), "__index__"):
@@ -165,6 +180,11 @@ def configure(blas_threads=None):
 
 def info():
     """What lorahook runs on, as a dict (a read-only look; nothing changes).
+
+    Returns
+    -------
+    dict
+        With these keys:
 
     * ``"blas"``: the BLAS lorahook's kernels call (SciPy's): ``filepath``,
       ``internal_api``, ``version``, ``architecture`` (the kernel OpenBLAS

@@ -487,24 +487,37 @@ def _resolve_mapping(mapping):
 def attach(model, hook, *, mapping=None):
     """Register forward hooks that apply ``hook`` to the model's ``nn.Linear`` outputs.
 
-    ``hook`` is any :class:`lorahook.LoraHook` -- a :class:`lorahook.LoraAdapter`
-    or a batch bound with :meth:`lorahook.AdapterSet.bind` -- or an
-    :class:`lorahook.AdapterSet`: then every mapped linear is hooked, nothing
-    is applied until a selection is made with ``attached.sequences(...)``
-    (see the module docstring), and adapters added to the set later can be
-    selected too.  ``mapping`` is
-    ``None`` (Qwen3.5 and BERT paths, see the module docstring), a callable
-    ``path -> (layer_idx, module) or None`` or a dict ``path -> (layer_idx,
-    module)``.  Returns an :class:`AttachedHooks`; call ``.remove()`` (or use it
-    as a context manager) to detach.
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The base model, on the CPU (a transformers model, say).
+    hook : LoraHook or AdapterSet
+        A :class:`lorahook.LoraAdapter`, a batch bound with
+        :meth:`lorahook.AdapterSet.bind`, or an :class:`lorahook.AdapterSet`:
+        then every mapped linear is hooked, nothing is applied until a
+        selection is made with ``attached.sequences(...)`` (see the module
+        docstring), and adapters added to the set later can be selected too.
+    mapping : None, callable or dict, optional
+        Module path to ``(layer_idx, module)``: ``None`` for the paths of
+        every family lorahook knows, a callable ``path -> (layer_idx,
+        module) or None``, or a dict.
 
-    Checked when attaching: every mapped float ``nn.Linear`` has float32,
-    bfloat16 or float16 weights on the CPU (``TypeError`` otherwise; quantized
-    linears: see the module docstring); for a ``LoraAdapter``, each of its keys
-    is a hooked linear of the model, with the linear's ``(in_features,
-    out_features)`` (:class:`lorahook.LoraValidationError` otherwise, naming
-    the module and its class when lorahook does not hook that class), and only
-    the linears it covers are hooked.
+    Returns
+    -------
+    AttachedHooks
+        Call ``.remove()`` (or use it as a context manager) to detach.
+
+    Raises
+    ------
+    TypeError
+        For a model or hook of the wrong type, or a mapped float ``nn.Linear``
+        whose weights are not float32, bfloat16 or float16 on the CPU
+        (quantized linears: see the module docstring).
+    LoraValidationError
+        For a ``LoraAdapter`` key that is not a hooked linear of the model
+        with the linear's ``(in_features, out_features)``, naming the module
+        (and its class, when lorahook does not hook that class).  Only the
+        linears an adapter covers are hooked.
     """
     from torch import nn
 

