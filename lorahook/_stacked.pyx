@@ -705,8 +705,9 @@ def apply_pairs_tensors(SlotRows groups not None, x, y, SlotPairs pairs not None
     Returns ``False``, having read and written nothing, when ``x`` or ``y``
     is not a 2-D CPU tensor of ``dtype`` (of the pairs' element size) with
     rows of adjacent elements and the pairs' widths (``d_in``, ``d_out``):
-    the caller's other path serves it.  ``ValueError`` (before anything is written) for rows that do not
-    match ``groups`` or for ``x`` and ``y`` sharing memory; else ``True``.
+    the caller's other path serves it.  ``ValueError`` (before anything is
+    written) for rows that do not match ``groups`` or for ``x`` and ``y``
+    sharing memory; else ``True``.
     """
     cdef Py_ssize_t item = 4 if pairs.kind == ROWS_F32 else 2
     cdef Py_ssize_t ldx, ldy, nx, ny

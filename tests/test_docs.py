@@ -45,11 +45,14 @@ def _name(obj):
     return getattr(obj, "__qualname__", getattr(obj, "__name__", repr(obj)))
 
 
-def _documented(obj):
+def _doc(obj):
     docscrape = pytest.importorskip("numpydoc.docscrape")
-    doc = docscrape.ClassDoc(obj) if inspect.isclass(obj) else docscrape.FunctionDoc(obj)
+    return docscrape.ClassDoc(obj) if inspect.isclass(obj) else docscrape.FunctionDoc(obj)
+
+
+def _documented(obj):
     names = []
-    for param in doc["Parameters"]:
+    for param in _doc(obj)["Parameters"]:
         names += [n.strip() for n in param.name.split(",")]
     return names
 
@@ -67,8 +70,7 @@ def test_parameters_section_names_every_parameter(obj):
 
 @pytest.mark.parametrize("obj", ENTRY_POINTS + _ray_serve(), ids=_name)
 def test_every_entry_point_says_what_it_returns_or_raises(obj):
-    docscrape = pytest.importorskip("numpydoc.docscrape")
-    doc = docscrape.ClassDoc(obj) if inspect.isclass(obj) else docscrape.FunctionDoc(obj)
+    doc = _doc(obj)
     assert doc["Summary"], "no summary line"
     if not inspect.isclass(obj):
         assert doc["Returns"] or doc["Raises"] or doc["Yields"], "no Returns or Raises"
