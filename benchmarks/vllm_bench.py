@@ -17,12 +17,12 @@ requests x 32 greedy tokens, in float32 and bfloat16, on one and two threads
 two threads with ``--max-lora-rank 64``.  Each configuration keeps its engines alive
 side by side -- lorahook's, vLLM's own LoRA kernels (``VLLM_PLUGINS=none``) and, with
 ``--without-lora``, vLLM started without ``--enable-lora`` -- and sends them bursts in
-turn, round after round; a ratio is taken within a round, and the table gives the
-median over the rounds.  vLLM's defaults: the plugin's engine is compiled (vLLM's own
-LoRA engine is not: vLLM turns compilation off with LoRA), and so is the engine
-without LoRA.  ``--breakdown`` adds where the plugin's LoRA time went (per projection
-kind, and the per-step metadata); it times every call, so its rates are not the ones
-to quote.
+turn, round after round (every other round in reverse order); a ratio is taken within
+a round, and the table gives the median over the rounds (the log line, their range).
+vLLM's defaults: the plugin's engine is compiled (vLLM's own LoRA engine is not: vLLM
+turns compilation off with LoRA), and so is the engine without LoRA.  ``--breakdown``
+adds where the plugin's LoRA time went (per projection kind, and the per-step
+metadata); it times every call, so its rates are not the ones to quote.
 
 Run it with the OpenBLAS overrides of this machine unset, in that command
 only: ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/vllm_bench.py ops``.
@@ -287,18 +287,25 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
                 engines[key] = _Engine(spec, e, os.path.join(workdir, f"{key}.log")).ready()
             assert engines["lorahook"].wrapper.startswith("lorahook"), engines["lorahook"].wrapper
             rates = {k: [] for k in ("lorahook", "base", "no_lora", "own")}
-            for _ in range(rounds):
-                rates["lorahook"].append(engines["lorahook"].burst("adapters"))
-                if without_lora:
-                    rates["no_lora"].append(engines["no_lora"].burst("none"))
-                rates["base"].append(engines["lorahook"].burst("none"))
-                rates["own"].append(engines["own"].burst("adapters"))
+            order = [("lorahook", "lorahook", "adapters"), ("no_lora", "no_lora", "none"),
+                     ("base", "lorahook", "none"), ("own", "own", "adapters")]
+            if not without_lora:
+                order.pop(1)
+            for r in range(rounds):
+                # every other round in reverse: the bursts a ratio compares trade places, so
+                # a drift of the machine's speed within a round favours neither engine
+                for key, engine, requests_of in order if r % 2 == 0 else order[::-1]:
+                    rates[key].append(engines[engine].burst(requests_of))
         finally:
             for engine in engines.values():
                 engine.close()
 
         def ratio(k1, k2):
             return statistics.median(a / b for a, b in zip(rates[k1], rates[k2]))
+
+        def spread(k1, k2):
+            r = [a / b for a, b in zip(rates[k1], rates[k2])]
+            return f"{min(r):.2f}-{max(r):.2f}"
 
         row = dict(config=label, rounds=rates, **{k: max(v) for k, v in rates.items() if v},
                    vs_base=ratio("lorahook", "base"), vs_own=ratio("lorahook", "own"))
@@ -308,7 +315,8 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
         print(f"{label}: requests/s per round: lorahook {_fmt(rates['lorahook'])}; "
               f"same engine without adapters {_fmt(rates['base'])}; vLLM's own LoRA "
               f"{_fmt(rates['own'])}"
-              + (f"; vLLM without --enable-lora {_fmt(rates['no_lora'])}" if without_lora else ""),
+              + (f"; vLLM without --enable-lora {_fmt(rates['no_lora'])} (ratios "
+                 f"{spread('lorahook', 'no_lora')})" if without_lora else ""),
               flush=True)
         if breakdown:
             print(_breakdown(prof), flush=True)
