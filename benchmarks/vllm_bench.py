@@ -287,10 +287,9 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
                 engines[key] = _Engine(spec, e, os.path.join(workdir, f"{key}.log")).ready()
             assert engines["lorahook"].wrapper.startswith("lorahook"), engines["lorahook"].wrapper
             rates = {k: [] for k in ("lorahook", "base", "no_lora", "own")}
-            order = [("lorahook", "lorahook", "adapters"), ("no_lora", "no_lora", "none"),
-                     ("base", "lorahook", "none"), ("own", "own", "adapters")]
-            if not without_lora:
-                order.pop(1)
+            order = [("lorahook", "lorahook", "adapters")]
+            order += [("no_lora", "no_lora", "none")] if without_lora else []
+            order += [("base", "lorahook", "none"), ("own", "own", "adapters")]
             for r in range(rounds):
                 # every other round in reverse: the bursts a ratio compares trade places, so
                 # a drift of the machine's speed within a round favours neither engine
@@ -301,10 +300,10 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
                 engine.close()
 
         def ratio(k1, k2):
-            return statistics.median(a / b for a, b in zip(rates[k1], rates[k2]))
+            return statistics.median(_per_round(rates, k1, k2))
 
         def spread(k1, k2):
-            r = [a / b for a, b in zip(rates[k1], rates[k2])]
+            r = _per_round(rates, k1, k2)
             return f"{min(r):.2f}-{max(r):.2f}"
 
         row = dict(config=label, rounds=rates, **{k: max(v) for k, v in rates.items() if v},
@@ -333,6 +332,11 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
         print(f"| {r['config']} | {r['lorahook']:.2f} / {r['base']:.2f} / {r['own']:.2f}{plain} | "
               f"{r['vs_base']:.3f} |{vs} {r['vs_own']:.2f} |")
     return table
+
+
+def _per_round(rates, k1, k2):
+    """Each round's ratio of ``k1``'s rate to ``k2``'s (bursts of the same round)."""
+    return [a / b for a, b in zip(rates[k1], rates[k2], strict=True)]
 
 
 def _fmt(values):
