@@ -9,12 +9,12 @@ on float32 copies, one thread, and OpenBLAS's own pool) and ``apply_pairs``
 same data, timed in alternation; medians.
 
 ``python benchmarks/vllm_bench.py serve [--config TEXT] [--rounds 3] [--without-lora]
-[--breakdown]`` starts vLLM offline (``LLM.generate``, vLLM's defaults) on a random
-0.5B-shaped Llama (hidden 896, 24 layers, MLP 4864, 14 heads, 2 KV heads) with 8 PEFT
-adapters of rank 8 on ``q_proj v_proj o_proj down_proj`` and times bursts of 64
-requests x 32 greedy tokens, in float32 and bfloat16, on one and two threads
-(``VLLM_CPU_OMP_THREADS_BIND``; all cores too on a larger machine), and in bfloat16 on
-two threads with ``--max-lora-rank 64``.  Each configuration keeps its engines alive
+[--breakdown] [--lora-target-modules M ...]`` starts vLLM offline (``LLM.generate``,
+vLLM's defaults) on a random 0.5B-shaped Llama (hidden 896, 24 layers, MLP 4864, 14
+heads, 2 KV heads) with 8 PEFT adapters of rank 8 on ``q_proj v_proj o_proj down_proj``
+and times bursts of 64 requests x 32 greedy tokens, in float32 and bfloat16, on one and
+two threads (``VLLM_CPU_OMP_THREADS_BIND``; all cores too on a larger machine), and in
+bfloat16 on two threads with ``--max-lora-rank 64``.  Each configuration keeps its engines alive
 side by side -- lorahook's, vLLM's own LoRA kernels (``VLLM_PLUGINS=none``) and, with
 ``--without-lora``, vLLM started without ``--enable-lora`` -- and sends them bursts in
 turn, round after round (every other round in reverse order); a ratio is taken within
@@ -23,6 +23,9 @@ vLLM's defaults: the plugin's engine is compiled (vLLM's own LoRA engine is not:
 turns compilation off with LoRA), and so is the engine without LoRA.  ``--breakdown``
 adds where the plugin's LoRA time went (per projection kind, and the per-step
 metadata); it times every call, so its rates are not the ones to quote.
+``--lora-target-modules`` starts both LoRA engines with vLLM's option of that name, so
+that vLLM wraps only those modules (each wrapped projection is one more custom-op call
+per step, with or without an adapter on it).
 
 Run it with the OpenBLAS overrides of this machine unset, in that command
 only: ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/vllm_bench.py ops``.
@@ -121,7 +124,8 @@ def ops(repeat=30, dtype="float32", threads=2):
             times["vllm"], times["slots 1"] = _median_pair(torch_ops, slots_op, repeat)
         with threadpool_limits(threads, user_api="blas"):
             times["slots pool"] = _median_pair(slots_op, slots_op, repeat)[0]
-        times["pairs 1"], times["pairs team"] = _median_pair(pairs_op(None), pairs_op(team), repeat)
+        times["pairs 1"], times["pairs team"] = _median_pair(pairs_op(None), pairs_op(team),
+                                                             repeat)
         for y in ys.values():
             y.zero_()
         torch_ops(), slots_op(), pairs_op(team)()
@@ -135,9 +139,9 @@ def ops(repeat=30, dtype="float32", threads=2):
           f"OpenBLAS pool of {threads} | apply_pairs, 1 thread | apply_pairs, team of {threads} |")
     print("|---|---|---|---|---|---|")
     for r in rows_out:
-        print(f"| {r['rows']} rows {r['d_in']}->{r['d_out']} r{r['rank']}, {r['adapters']} adapters "
-              f"| {r['vllm']:.0f} us | {r['slots 1']:.0f} us | {r['slots pool']:.0f} us | "
-              f"{r['pairs 1']:.0f} us | {r['pairs team']:.0f} us |")
+        print(f"| {r['rows']} rows {r['d_in']}->{r['d_out']} r{r['rank']}, "
+              f"{r['adapters']} adapters | {r['vllm']:.0f} us | {r['slots 1']:.0f} us | "
+              f"{r['slots pool']:.0f} us | {r['pairs 1']:.0f} us | {r['pairs team']:.0f} us |")
     return rows_out
 
 
@@ -254,7 +258,7 @@ class _Engine:
 
 
 def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_lora=False,
-          breakdown=False):
+          breakdown=False, target_modules=None):
     """Each configuration: lorahook's engine, vLLM's own LoRA engine (and vLLM without
     ``--enable-lora``) alive side by side, sent bursts in turn, ``rounds`` times.
 
@@ -263,6 +267,8 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
     between bursts seconds apart, and the table gives the rounds' median ratio (a
     shared machine's speed drifts over minutes; a ratio of engines timed minutes apart
     measures the drift too) and the best rate of each.  Idle engines wait on a pipe.
+    ``target_modules`` (vLLM's ``--lora-target-modules``) limits both LoRA engines'
+    LoRA layers to those modules.
     """
     model_dir, adapter_dir, names = make_files(workdir)
     kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -270,7 +276,8 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
     for label, dtype, bind, max_rank in _configs(configs):
         base = dict(model=model_dir, adapters=adapter_dir, names=names, enable_lora=True,
                     requests=requests, max_tokens=max_tokens, max_loras=8,
-                    max_lora_rank=max_rank, dtype=dtype)
+                    max_lora_rank=max_rank, dtype=dtype,
+                    engine={"lora_target_modules": list(target_modules)} if target_modules else {})
         env = {"VLLM_CPU_KVCACHE_SPACE": kv, "VLLM_CPU_OMP_THREADS_BIND": bind}
         prof = os.path.join(workdir, "profile.json")
         if os.path.exists(prof):
@@ -279,7 +286,7 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
                                               if breakdown else {})}),
                  "own": (base, {**env, "VLLM_PLUGINS": "none"})}
         if without_lora:
-            specs["no_lora"] = ({**base, "enable_lora": False, "names": []},
+            specs["no_lora"] = ({**base, "enable_lora": False, "names": [], "engine": {}},
                                 {**env, "VLLM_PLUGINS": "none"})
         engines = {}
         try:
@@ -358,13 +365,17 @@ def main():
     p.add_argument("--breakdown", action="store_true",
                    help="serve: lorahook's engine records where its LoRA time goes "
                         "(LORAHOOK_VLLM_PROFILE) and the table is followed by it")
+    p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
+                   help="serve: vLLM's --lora-target-modules for both LoRA engines (the "
+                        "adapters' modules are qkv_proj o_proj down_proj)")
     args = p.parse_args()
     if args.what == "ops":
         ops(dtype=args.dtype, threads=args.threads)
     else:
         workdir = args.workdir or tempfile.mkdtemp(prefix="lorahook-vllm-bench-")
         serve(workdir, configs=args.config, rounds=args.rounds,
-              without_lora=args.without_lora, breakdown=args.breakdown)
+              without_lora=args.without_lora, breakdown=args.breakdown,
+              target_modules=args.lora_target_modules)
 
 
 if __name__ == "__main__":
