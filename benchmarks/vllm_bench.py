@@ -14,8 +14,8 @@ vLLM's defaults) on a random 0.5B-shaped Llama (hidden 896, 24 layers, MLP 4864,
 heads, 2 KV heads) with 8 PEFT adapters of rank 8 on ``q_proj v_proj o_proj down_proj``
 and times bursts of 64 requests x 32 greedy tokens, in float32 and bfloat16, on one and
 two threads (``VLLM_CPU_OMP_THREADS_BIND``; all cores too on a larger machine), and in
-bfloat16 on two threads with ``--max-lora-rank 64``.  Each configuration keeps its engines alive
-side by side -- lorahook's, vLLM's own LoRA kernels (``VLLM_PLUGINS=none``) and, with
+bfloat16 on two threads with ``--max-lora-rank 64``.  Each configuration keeps its
+engines alive side by side -- lorahook's, vLLM's own LoRA kernels (``VLLM_PLUGINS=none``) and, with
 ``--without-lora``, vLLM started without ``--enable-lora`` -- and sends them bursts in
 turn, round after round (every other round in reverse order); a ratio is taken within
 a round, and the table gives the median over the rounds (the log line, their range).
@@ -276,8 +276,7 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
     for label, dtype, bind, max_rank in _configs(configs):
         base = dict(model=model_dir, adapters=adapter_dir, names=names, enable_lora=True,
                     requests=requests, max_tokens=max_tokens, max_loras=8,
-                    max_lora_rank=max_rank, dtype=dtype,
-                    engine={"lora_target_modules": list(target_modules)} if target_modules else {})
+                    max_lora_rank=max_rank, dtype=dtype, target_modules=target_modules)
         env = {"VLLM_CPU_KVCACHE_SPACE": kv, "VLLM_CPU_OMP_THREADS_BIND": bind}
         prof = os.path.join(workdir, "profile.json")
         if os.path.exists(prof):
@@ -286,7 +285,7 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
                                               if breakdown else {})}),
                  "own": (base, {**env, "VLLM_PLUGINS": "none"})}
         if without_lora:
-            specs["no_lora"] = ({**base, "enable_lora": False, "names": [], "engine": {}},
+            specs["no_lora"] = ({**base, "enable_lora": False, "names": []},
                                 {**env, "VLLM_PLUGINS": "none"})
         engines = {}
         try:

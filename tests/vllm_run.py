@@ -26,7 +26,8 @@ def _lora_args(spec):
         return {}
     return dict(enable_lora=True, max_loras=spec.get("max_loras", 4),
                 max_lora_rank=spec.get("max_lora_rank", 8),
-                max_cpu_loras=spec.get("max_cpu_loras"))
+                max_cpu_loras=spec.get("max_cpu_loras"),
+                lora_target_modules=spec.get("target_modules"))
 
 
 def _engine(spec):
