@@ -6,6 +6,9 @@
  *     t          = scale * A_i[s][:k] @ x[r]            (k = ranks_i[s])
  *     y[r, cols_i] (+)= Bt_i[s][:k].T @ t
  *
+ * A slot's A and Bt are found through a pointer per slot: rows of one stacked
+ * tensor (an engine's slots) or an adapter's own tensors, wherever they live.
+ *
  * x, y, A and Bt share one element kind: float32, float16 or bfloat16.  A
  * 16-bit value is widened in registers as it is loaded (a stripe of W values
  * at a time); the products and sums run in float32; an output element is
@@ -50,8 +53,8 @@
 #define LH_P_RB2 8         /* rows per block, second phase */
 
 typedef struct {
-    const char *A;          /* (slots, rmax, d_in) */
-    const char *Bt;         /* (slots, rmax, d_out) */
+    const char *const *A;   /* per slot: its (ranks[s], d_in) rows, row-major (NULL: rank 0) */
+    const char *const *Bt;  /* per slot: B transposed, (ranks[s], d_out), row-major */
     const int32_t *ranks;   /* (slots,), each in [0, rmax] */
     int rmax;
     int d_out;

@@ -141,7 +141,7 @@ LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl
     const ptrdiff_t es = kind == LH_P_F32 ? 4 : 2;
     const ptrdiff_t d_in = c->d_in;
     const char *xr[LH_P_RB1];
-    const char *as = sl->A + s * (ptrdiff_t)sl->rmax * d_in * es;
+    const char *as = sl->A[s];
     const ptrdiff_t ld = c->n_covered;  /* t is (rmax, n_covered) per slice: t[j][position] */
     float *t = c->T + sl->t_off + p;
     int b, j, rank = sl->ranks[s];
@@ -221,7 +221,7 @@ LH_P_INLINE void LH_P_NAME(lh_expand_rows)(const lh_pairs *c, const lh_slice *sl
                                            const int kind) {
     const ptrdiff_t es = kind == LH_P_F32 ? 4 : 2;
     const ptrdiff_t d_out = sl->d_out;
-    const char *bs = sl->Bt + s * (ptrdiff_t)sl->rmax * d_out * es;
+    const char *bs = sl->Bt[s];
     const ptrdiff_t ld = c->n_covered;
     const float *t = c->T + sl->t_off + p;  /* t[j * ld + b]: row b's j-th first product */
     char *yr[LH_P_RB2];

@@ -32,7 +32,7 @@ cimport cython
 cimport numpy as cnp
 from libc.limits cimport INT_MAX
 from libc.stdint cimport uint16_t
-from libc.stdlib cimport free
+from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy
 
 from lorahook cimport _blas
@@ -443,10 +443,11 @@ def apply_slots(SlotRows groups not None, x, y, a=None, b=None, scale=1.0, *, bi
 
 cdef extern from "_pairs.h" nogil:
     int LH_P_MAX_SLICES
+    enum: LH_P_MAX_SLICES_ "LH_P_MAX_SLICES"
     int LH_P_COLS
     ctypedef struct lh_slice:
-        const char *A
-        const char *Bt
+        const char *const *A
+        const char *const *Bt
         const int *ranks
         int rmax
         int d_out
@@ -467,7 +468,7 @@ cdef extern from "_pairs.h" nogil:
         int add
         float scale
         int n_slices
-        lh_slice slices[8]
+        lh_slice slices[LH_P_MAX_SLICES_]
         float *T
     ctypedef struct lh_team:
         int n
@@ -571,83 +572,222 @@ def openmp_team(int n_threads):
     return team
 
 
+cdef dict _PAIR_KINDS = {"float32": ROWS_F32, "float16": ROWS_F16, "bfloat16": ROWS_BF16}
+
+
 @cython.final
 @cython.auto_pickle(False)
 cdef class SlotPairs:
-    """A projection's stacked LoRA pairs, one per output slice, in one dtype.
+    """A projection's LoRA pairs in slots, one per output slice, in one dtype.
 
-    ``SlotPairs(a, bt, ranks, half=None)``: three sequences of one to eight
-    arrays each, slice by slice: ``a[i]`` is ``(slots, rmax_i, d_in)``,
-    ``bt[i]`` is ``B`` transposed, ``(slots, rmax_i, d_out_i)``, both
-    C-contiguous, and ``ranks[i]`` an int32 array of ``slots`` values, slot
-    ``s``'s rank ``k`` (its first ``k`` rows of ``a[i][s]`` and ``bt[i][s]``
-    are used, the rest are never read; ``0``: no adapter in that slice).
+    Two ways to make one:
+
+    * ``SlotPairs(a, bt, ranks, half=None)``: an engine's stacked slots.
+      Three sequences of one to eight arrays each, slice by slice: ``a[i]`` is
+      ``(slots, rmax_i, d_in)``, ``bt[i]`` is ``B`` transposed, ``(slots,
+      rmax_i, d_out_i)``, both C-contiguous, and ``ranks[i]`` an int32 array of
+      ``slots`` values, slot ``s``'s rank ``k`` (its first ``k`` rows of
+      ``a[i][s]`` and ``bt[i][s]`` are used, the rest are never read; ``0``: no
+      adapter in that slice).  Arrays are float32, float16, or uint16 read as
+      ``half``; every array has the same kind.  The arrays are referred to, not
+      copied: their owner may rewrite them between calls (ranks are checked at
+      every call), never reshape them.
+    * :meth:`per_slot` ``(n_slots, d_in, d_outs, dtype)``: slots that refer to
+      each adapter's own arrays, set one slot and slice at a time
+      (:meth:`set_slot`, :meth:`clear_slot`) at that adapter's rank: a slot
+      costs what its adapter holds, whatever the largest rank.
+
     Slice ``i`` writes columns ``[sum(d_out_0 .. d_out_{i-1}), ... + d_out_i)``
-    of the output.  Arrays are float32, float16, or uint16 read as ``half``;
-    every array has the same kind.  The arrays are referred to, not copied:
-    their owner may rewrite them between calls (ranks are checked at every
-    call), never reshape them.
+    of the output.
     """
     cdef readonly int kind
     cdef readonly Py_ssize_t n_slots
     cdef readonly Py_ssize_t d_in
     cdef readonly Py_ssize_t d_out
     cdef readonly int n_slices
-    cdef object _refs
-    cdef lh_slice slices[8]
+    cdef object _refs          # what the pointers point into, kept alive
+    cdef object _ranks         # per slice: the int32 ranks array the kernel reads
+    cdef const char **_ptrs    # per slice: n_slots pointers into A, then n_slots into Bt
+    cdef lh_slice slices[LH_P_MAX_SLICES_]
     cdef Py_ssize_t t_floats   # sum of rmax: t's floats per row
+    cdef bint _settable        # made by per_slot
+    cdef int _busy             # calls running (set_slot refuses to change a slot under one)
 
-    def __cinit__(self, a, bt, ranks, half=None):
+    def __cinit__(self, *args, **kwargs):
+        self._ptrs = NULL
+
+    def __init__(self, a, bt, ranks, half=None):
         cdef int bits = _half_kind(half), i, kind = -1
+        cdef Py_ssize_t s
         a, bt, ranks = list(a), list(bt), list(ranks)
         if not 1 <= len(a) <= LH_P_MAX_SLICES or len(bt) != len(a) or len(ranks) != len(a):
             raise ValueError(f"a, bt and ranks must hold the same number of slices, 1 to "
                              f"{LH_P_MAX_SLICES}; got {len(a)}, {len(bt)} and {len(ranks)}")
-        self.n_slices = len(a)
-        self.d_out = 0
-        self.t_floats = 0
-        refs = []
-        for i in range(self.n_slices):
+        n_slots = d_in = 0
+        for i in range(len(a)):
             ai, bi = a[i], bt[i]
             ka = _weights_kind(ai, f"a[{i}]", bits)
             kb = _weights_kind(bi, f"bt[{i}]", bits)
             if i == 0:
                 kind = ka
-                self.n_slots, self.d_in = ai.shape[0], ai.shape[2]
+                n_slots, d_in = ai.shape[0], ai.shape[2]
             if ka != kind or kb != kind:
                 raise TypeError(f"a and bt must share one dtype; a[0] is {a[0].dtype}, a[{i}] "
                                 f"{ai.dtype}, bt[{i}] {bi.dtype}")
-            if ai.shape[0] != self.n_slots or bi.shape[0] != self.n_slots:
+            if ai.shape[0] != n_slots or bi.shape[0] != n_slots:
                 raise ValueError(f"a[{i}] of shape {ai.shape} and bt[{i}] of shape {bi.shape} "
-                                 f"must hold {self.n_slots} slots (a[0]'s)")
-            if ai.shape[2] != self.d_in:
+                                 f"must hold {n_slots} slots (a[0]'s)")
+            if ai.shape[2] != d_in:
                 raise ValueError(f"a[{i}] of shape {ai.shape} must have shape[2] == d_in = "
-                                 f"{self.d_in} (a[0]'s)")
+                                 f"{d_in} (a[0]'s)")
             if bi.shape[1] != ai.shape[1]:
                 raise ValueError(f"a[{i}] of shape {ai.shape} and bt[{i}] of shape {bi.shape} "
                                  f"must share a rank (a.shape[1] == bt.shape[1])")
-            if ai.shape[1] < 1 or bi.shape[2] < 1 or self.d_in < 1:
+            if ai.shape[1] < 1 or bi.shape[2] < 1 or d_in < 1:
                 raise ValueError(f"a[{i}] of shape {ai.shape} and bt[{i}] of shape {bi.shape} "
                                  f"must have no empty dimension but slots")
             r = ranks[i]
             if (not isinstance(r, np.ndarray) or r.dtype != np.int32 or r.ndim != 1
-                    or r.shape[0] != self.n_slots or not r.flags.c_contiguous):
+                    or r.shape[0] != n_slots or not r.flags.c_contiguous):
                 raise TypeError(f"ranks[{i}] must be a C-contiguous 1-D int32 array of "
-                                f"{self.n_slots} values, got {type(r).__name__} "
+                                f"{n_slots} values, got {type(r).__name__} "
                                 f"{getattr(r, 'dtype', '')} {getattr(r, 'shape', '')}")
-            self.slices[i].A = <const char *>cnp.PyArray_DATA(<cnp.ndarray>ai)
-            self.slices[i].Bt = <const char *>cnp.PyArray_DATA(<cnp.ndarray>bi)
-            self.slices[i].ranks = <const int *>cnp.PyArray_DATA(<cnp.ndarray>r)
-            self.slices[i].rmax = <int>ai.shape[1]
-            self.slices[i].d_out = <int>bi.shape[2]
-            self.slices[i].col = self.d_out
-            self.slices[i].t_off = self.t_floats  # times the rows covered, set per call
-            self.slices[i].blocks = (bi.shape[2] + LH_P_COLS - 1) // LH_P_COLS
-            self.d_out += bi.shape[2]
-            self.t_floats += ai.shape[1]
-            refs.append((ai, bi, r))
+        self._layout(kind, n_slots, d_in, [b.shape[2] for b in bt], ranks)
+        cdef const char *base
+        cdef Py_ssize_t step
+        for i in range(self.n_slices):
+            self.slices[i].rmax = <int>a[i].shape[1]
+            base = <const char *>cnp.PyArray_DATA(<cnp.ndarray>a[i])
+            step = cnp.PyArray_STRIDE(<cnp.ndarray>a[i], 0)
+            for s in range(n_slots):
+                self._ptrs[2 * i * n_slots + s] = base + s * step
+            base = <const char *>cnp.PyArray_DATA(<cnp.ndarray>bt[i])
+            step = cnp.PyArray_STRIDE(<cnp.ndarray>bt[i], 0)
+            for s in range(n_slots):
+                self._ptrs[(2 * i + 1) * n_slots + s] = base + s * step
+        self._offsets()
+        self._refs = list(zip(a, bt))
+
+    @staticmethod
+    def per_slot(Py_ssize_t n_slots, Py_ssize_t d_in, d_outs, dtype="float32"):
+        """Empty slots (every rank 0) that :meth:`set_slot` fills with adapters' own arrays.
+
+        ``d_outs``: each slice's output width (one to eight); ``dtype``:
+        ``'float32'``, ``'float16'`` or ``'bfloat16'`` (16-bit arrays may be
+        uint16 patterns).
+        """
+        if dtype not in _PAIR_KINDS:
+            raise ValueError(f"dtype must be one of {sorted(_PAIR_KINDS)}, got {dtype!r}")
+        d_outs = [int(d) for d in d_outs]
+        if not 1 <= len(d_outs) <= LH_P_MAX_SLICES:
+            raise ValueError(f"d_outs must hold 1 to {LH_P_MAX_SLICES} widths, got {len(d_outs)}")
+        if n_slots < 0 or d_in < 1 or d_in > INT_MAX or min(d_outs) < 1 or max(d_outs) > INT_MAX:
+            raise ValueError(f"n_slots must be >= 0 and d_in and d_outs in [1, {INT_MAX}], got "
+                             f"n_slots={n_slots}, d_in={d_in}, d_outs={d_outs}")
+        cdef SlotPairs p = SlotPairs.__new__(SlotPairs)
+        p._layout(_PAIR_KINDS[dtype], n_slots, d_in, d_outs,
+                  [np.zeros(n_slots, np.int32) for _ in d_outs])
+        p._settable = True
+        p._refs = [[None] * n_slots for _ in d_outs]
+        for i in range(p.n_slices):
+            p.slices[i].rmax = 1
+        p._offsets()
+        return p
+
+    cdef int _layout(self, int kind, Py_ssize_t n_slots, Py_ssize_t d_in, list d_outs,
+                     list ranks) except -1:
+        """The slices' widths, columns and ranks arrays, and the pointer table (all NULL)."""
+        cdef int i
+        if self._ptrs != NULL:
+            raise TypeError("SlotPairs is made once")
         self.kind = kind
-        self._refs = refs
+        self.n_slots, self.d_in = n_slots, d_in
+        self.n_slices = len(d_outs)
+        self._ranks = ranks
+        self._ptrs = <const char **>calloc(max(1, 2 * self.n_slices * n_slots), sizeof(char *))
+        if self._ptrs == NULL:
+            raise MemoryError("lorahook could not allocate a slot table")
+        self.d_out = 0
+        for i in range(self.n_slices):
+            self.slices[i].A = self._ptrs + 2 * i * n_slots
+            self.slices[i].Bt = self._ptrs + (2 * i + 1) * n_slots
+            self.slices[i].ranks = <const int *>cnp.PyArray_DATA(<cnp.ndarray>ranks[i])
+            self.slices[i].d_out = <int>d_outs[i]
+            self.slices[i].col = self.d_out
+            self.slices[i].blocks = (d_outs[i] + LH_P_COLS - 1) // LH_P_COLS
+            self.d_out += d_outs[i]
+        return 0
+
+    cdef void _offsets(self) noexcept:
+        """Each slice's place in the first products' scratch (times the rows covered, per call)."""
+        cdef int i
+        self.t_floats = 0
+        for i in range(self.n_slices):
+            self.slices[i].t_off = self.t_floats
+            self.t_floats += self.slices[i].rmax
+
+    def __dealloc__(self):
+        free(self._ptrs)
+
+    def set_slot(self, int i, Py_ssize_t slot, a, bt):
+        """Slot ``slot`` of slice ``i`` refers to ``a`` ``(k, d_in)`` and ``bt`` ``(k, d_out_i)``.
+
+        Both C-contiguous, in the pairs' dtype (16-bit arrays may be uint16
+        patterns), with one rank ``k >= 1``; they are referred to, not copied,
+        and kept alive until the slot is set again or cleared.  Costs nothing
+        per other slot.  ``RuntimeError`` while a call runs on these pairs.
+        """
+        self._check_settable(i, slot)
+        bits = -1 if self.kind == ROWS_F32 else self.kind
+        for arr, name, width in ((a, "a", self.d_in), (bt, "bt", self.slices[i].d_out)):
+            if check_type(arr, name, bits) != self.kind:
+                raise TypeError(f"{name} must have the pairs' dtype "
+                                f"({['float32', 'float16', 'bfloat16'][self.kind]}), got "
+                                f"{arr.dtype}")
+            if arr.ndim != 2 or not arr.flags.c_contiguous or arr.shape[1] != width:
+                raise ValueError(f"{name} must be a C-contiguous 2-D array (rank, {width}), got "
+                                 f"shape {arr.shape} with strides {arr.strides}")
+        if a.shape[0] != bt.shape[0] or not 1 <= a.shape[0] <= INT_MAX:
+            raise ValueError(f"a of shape {a.shape} and bt of shape {bt.shape} must share a "
+                             f"rank of at least 1 (a.shape[0] == bt.shape[0])")
+        cdef int k = <int>a.shape[0]
+        self._ptrs[2 * i * self.n_slots + slot] = <const char *>cnp.PyArray_DATA(<cnp.ndarray>a)
+        self._ptrs[(2 * i + 1) * self.n_slots + slot] = \
+            <const char *>cnp.PyArray_DATA(<cnp.ndarray>bt)
+        self._refs[i][slot] = (a, bt)
+        if k > self.slices[i].rmax:
+            self.slices[i].rmax = k
+            self._offsets()
+        self._ranks[i][slot] = k
+
+    def clear_slot(self, int i, Py_ssize_t slot):
+        """Slot ``slot`` of slice ``i`` holds no adapter (rank 0); its arrays are let go."""
+        self._check_settable(i, slot)
+        self._ranks[i][slot] = 0
+        self._ptrs[2 * i * self.n_slots + slot] = NULL
+        self._ptrs[(2 * i + 1) * self.n_slots + slot] = NULL
+        self._refs[i][slot] = None
+
+    cdef int _check_settable(self, int i, Py_ssize_t slot) except -1:
+        if not self._settable:
+            raise TypeError("only pairs made by SlotPairs.per_slot have slots to set")
+        if not 0 <= i < self.n_slices or not 0 <= slot < self.n_slots:
+            raise IndexError(f"slice {i} and slot {slot} must lie in [0, {self.n_slices}) and "
+                             f"[0, {self.n_slots})")
+        if self._busy:
+            raise RuntimeError("a slot cannot change while a call runs on these pairs")
+        return 0
+
+    def ranks(self, int i):
+        """Slice ``i``'s ranks, slot by slot (a copy)."""
+        if not 0 <= i < self.n_slices:
+            raise IndexError(f"slice {i} must lie in [0, {self.n_slices})")
+        return np.array(self._ranks[i], copy=True)
+
+    @property
+    def used(self):
+        """Whether any slot of any slice holds an adapter."""
+        return any(bool(r.any()) for r in self._ranks)
 
     def __reduce__(self):
         raise TypeError("SlotPairs refers to arrays of one process and does not pickle")
@@ -747,9 +887,9 @@ cdef int _run_pairs(SlotRows groups, SlotPairs pairs, const char *X, Py_ssize_t 
     if groups.max_slot >= pairs.n_slots:
         raise ValueError(f"the pairs hold {pairs.n_slots} slots but a row uses slot "
                          f"{groups.max_slot}")
-    for i in range(pairs.n_slices):
+    for i in range(pairs.n_slices):  # the slots the rows use: a step's cost, not the table's
         rk = pairs.slices[i].ranks
-        for s in range(pairs.n_slots):
+        for s in range(groups.max_slot + 1):
             if rk[s] < 0 or rk[s] > pairs.slices[i].rmax:
                 raise ValueError(f"ranks[{i}][{s}] must be in [0, {pairs.slices[i].rmax}], "
                                  f"got {rk[s]}")
@@ -774,6 +914,7 @@ cdef int _run_pairs(SlotRows groups, SlotPairs pairs, const char *X, Py_ssize_t 
     cdef const lh_team *tp = &team.t if team is not None else NULL
     cdef lh_part_fn part = _pairs_build
     cdef int own = 0
+    pairs._busy += 1
     with nogil:
         c.T = lorahook_scratch_slot(<size_t>(c.n_covered * pairs.t_floats), _SCRATCH_PAIRS,
                                     &own)
@@ -781,6 +922,7 @@ cdef int _run_pairs(SlotRows groups, SlotPairs pairs, const char *X, Py_ssize_t 
             lh_pairs_run(&c, tp, part)
             if own:
                 free(c.T)
+    pairs._busy -= 1
     if c.T == NULL:
         raise MemoryError("lorahook could not allocate its scratch buffer")
     return 0

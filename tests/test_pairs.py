@@ -294,3 +294,110 @@ def test_tensors_of_another_layout_are_left_to_the_caller():
     assert torch.count_nonzero(buf) == 0
     assert apply_pairs_tensors(g, x, y, pairs, torch.float32)
     assert torch.equal(y[2], torch.zeros(6)) and torch.equal(y[0], torch.full((6,), 24.0))
+
+
+def _per_slot(half, stacked, ref):
+    """``stacked``'s adapters as per-slot pairs: each slot refers to arrays of its own rank."""
+    a64, bt64, ranks = ref
+    outs = [b.shape[2] for b in bt64]
+    dtype = "float32" if half is None else half
+    pairs = SlotPairs.per_slot(stacked.n_slots, stacked.d_in, outs, dtype)
+    for i in range(len(outs)):
+        for s in range(stacked.n_slots):
+            k = ranks[i][s]
+            if k:
+                a = _cast(a64[i][s, :k], half)[0]
+                bt = _cast(bt64[i][s, :k], half)[0]
+                pairs.set_slot(i, s, np.ascontiguousarray(a), np.ascontiguousarray(bt))
+    return pairs
+
+
+@pytest.mark.parametrize("half", KINDS)
+@pytest.mark.parametrize("add", [True, False])
+def test_per_slot_adapters_equal_stacked_slots_and_float64(build, half, add):
+    # each slot at its adapter's own rank, its arrays wherever they live: the same bits as
+    # the stacked slots padded to the largest rank, on any team
+    outs = [33, 16, 5]
+    stacked, ref, slots, x, x64, y, y64 = _problem(half, 41, 37, outs, n_slots=7, pad=0.0)
+    per = _per_slot(half, stacked, ref)
+    assert [list(per.ranks(i)) for i in range(3)] == [list(r) for r in ref[2]]
+    groups = SlotRows(slots, 7)
+    want = y.copy()
+    apply_pairs(groups, x, want[:, 3:3 + sum(outs)], stacked, 0.5, add=add, half=half)
+    for team in (None, _team(2)):
+        got = y.copy()
+        apply_pairs(groups, x, got[:, 3:3 + sum(outs)], per, 0.5, add=add, half=half, team=team)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    cov = slots >= 0
+    exact = _reference(slots, x64, y64, ref, outs, 0.5, add)
+    mag = _reference(slots, x64, y64, ref, outs, 0.5, add, magnitude=True)
+    assert np.all(np.abs(_widen(got, half)[cov] - exact[cov]) <= TOL[half] * mag[cov])
+
+
+def test_a_slot_is_set_again_at_another_rank_and_cleared():
+    rng = np.random.default_rng(7)
+    d_in, d_out = 24, 40
+    pairs = SlotPairs.per_slot(3, d_in, [d_out])
+    assert not pairs.used
+    x = rng.standard_normal((6, d_in)).astype(np.float32)
+    slots = np.array([0, 2, 1, -1, 2, 0])
+    groups = SlotRows(slots, 3)
+
+    def delta(a, bt):
+        return (bt.astype(np.float64).T @ (a.astype(np.float64) @ x.T.astype(np.float64))).T
+
+    adapters = {}
+    for s, k in ((0, 4), (2, 64), (1, 1)):
+        a = rng.standard_normal((k, d_in)).astype(np.float32)
+        bt = rng.standard_normal((k, d_out)).astype(np.float32)
+        pairs.set_slot(0, s, a, bt)
+        adapters[s] = (a, bt)
+    assert pairs.used and list(pairs.ranks(0)) == [4, 1, 64]
+    y = np.zeros((6, d_out), np.float32)
+    apply_pairs(groups, x, y, pairs)
+    for r, s in enumerate(slots):
+        want = delta(*adapters[s])[r] if s >= 0 else np.zeros(d_out)
+        assert np.allclose(y[r], want, rtol=1e-4, atol=1e-4), r
+    # the slot of rank 64 takes an adapter of rank 2; slot 0 is cleared
+    a = rng.standard_normal((2, d_in)).astype(np.float32)
+    bt = rng.standard_normal((2, d_out)).astype(np.float32)
+    pairs.set_slot(0, 2, a, bt)
+    pairs.clear_slot(0, 0)
+    assert list(pairs.ranks(0)) == [0, 1, 2]
+    y = np.zeros((6, d_out), np.float32)
+    apply_pairs(groups, x, y, pairs)
+    assert np.allclose(y[1], delta(a, bt)[1], rtol=1e-4, atol=1e-4)
+    assert np.array_equal(y[slots == 0], np.zeros((2, d_out), np.float32))
+    # the arrays are referred to, not copied: a change of the adapter's values is seen
+    bt *= 2
+    y2 = np.zeros((6, d_out), np.float32)
+    apply_pairs(groups, x, y2, pairs)
+    assert np.allclose(y2[1], 2 * y[1], rtol=1e-5)
+
+
+def test_per_slot_refusals_name_what_was_wrong():
+    pairs = SlotPairs.per_slot(2, 8, [6, 4], "bfloat16")
+    a, bt = np.zeros((3, 8), np.uint16), np.zeros((3, 6), np.uint16)
+    with pytest.raises(TypeError, match=r"pairs' dtype \(bfloat16\), got float32"):
+        pairs.set_slot(0, 0, a.astype(np.float32), bt)
+    with pytest.raises(ValueError, match=r"bt must be a C-contiguous 2-D array \(rank, 4\)"):
+        pairs.set_slot(1, 0, a, bt)
+    with pytest.raises(ValueError, match=r"a must be a C-contiguous 2-D array \(rank, 8\)"):
+        pairs.set_slot(0, 0, np.zeros((8, 3), np.uint16).T, bt)
+    with pytest.raises(ValueError, match="share a rank"):
+        pairs.set_slot(0, 0, a[:2], bt)
+    with pytest.raises(IndexError, match=r"slice 2 and slot 0 must lie in \[0, 2\)"):
+        pairs.set_slot(2, 0, a, bt)
+    with pytest.raises(IndexError, match="slot 2"):
+        pairs.clear_slot(0, 2)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        SlotPairs.per_slot(2, 8, [6], "int8")
+    with pytest.raises(ValueError, match="1 to 8 widths"):
+        SlotPairs.per_slot(2, 8, [6] * 9)
+    with pytest.raises(ValueError, match="d_in and d_outs"):
+        SlotPairs.per_slot(2, 0, [6])
+    stacked = SlotPairs([np.zeros((2, 3, 8), np.float32)], [np.zeros((2, 3, 6), np.float32)],
+                        [np.zeros(2, np.int32)])
+    with pytest.raises(TypeError, match="only pairs made by SlotPairs.per_slot"):
+        stacked.set_slot(0, 0, np.zeros((3, 8), np.float32), np.zeros((3, 6), np.float32))
+    assert list(pairs.ranks(0)) == [0, 0] and not pairs.used  # nothing was half set
