@@ -69,6 +69,7 @@ import torch
 
 from lorahook._stacked import (SlotPairs, SlotRows, apply_pairs, apply_pairs_tensors,
                                apply_slots, openmp_team)
+from lorahook._vllm_slots import SlotTable, patch_layers, table_of
 
 __all__ = ["PunicaWrapperLorahook", "register", "QUALNAME"]
 
@@ -491,8 +492,9 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         where = tuple(t.data_ptr() for t in a) + tuple(t.data_ptr() for t in b)
         got = self._pairs.get(where)
         if got is None:
+            entry = table_of(a[0])  # a layer whose slots refer to its adapters' own tensors
             try:
-                entry = _Pairs(a, b)
+                entry = entry if entry is not None else _Pairs(a, b)
             except (_Fallback, RuntimeError) as exc:
                 logger.debug("lorahook: a projection goes the apply_slots way: %r", exc)
                 entry = None
@@ -562,7 +564,17 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
         try:
             getattr(self, "_" + method)(rows, y, x, a, b, scale, slices, offset, add)
         except _Fallback:
-            self._vllm(method, y, x, a, b, scale, slices, offset, add)
+            table = table_of(a[0]) if a else None
+            if table is None:
+                self._vllm(method, y, x, a, b, scale, slices, offset, add)
+                return
+            # vLLM's op would read the placeholders: the same kernel on converted rows
+            if method not in ("linear", "logits"):
+                raise RuntimeError(f"lorahook: a {method} call on {table.name}'s slots, which "
+                                   "only linear and logits calls read") from None
+            indices = self.sampler_indices if method == "logits" else self.token_lora_indices
+            covered = torch.nonzero(indices[:rows.n_rows] >= 0).squeeze(1)
+            table.apply_converted(rows, covered, x, y, scale, add, self._team)
 
     def _vllm(self, method: str, y, x, a, b, scale, slices, offset, add) -> None:
         """``method`` on vLLM's own CPU op."""
@@ -602,6 +614,8 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
                 apply_pairs(rows, xa, ya, pairs.pairs, scale, add=add, half=pairs.half,
                             team=self._team)
         else:
+            if isinstance(pairs, SlotTable):  # rows of another dtype: see _run
+                raise _Fallback
             kind = "linear (apply_slots)"
             half = []
             xa, ya = _rows(x, half), _rows(y, half)
@@ -665,6 +679,8 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
                 apply_pairs(rows, xa, ya[:, :pairs.width], pairs.pairs, scale, half=pairs.half,
                             team=self._team)
         else:
+            if isinstance(pairs, SlotTable):
+                raise _Fallback
             kind = "logits (apply_slots)"
             half = []
             ya, xa = _rows(y, half), _rows(x, half)
@@ -770,6 +786,19 @@ def _keep_compiling(platform) -> None:
     platform.check_and_update_config = check_and_update_config
 
 
+def _slots_of_adapters() -> None:
+    """vLLM's LoRA layers hold slots as big as their adapter (``lorahook._vllm_slots``).
+
+    Should that fail on some vLLM, every layer keeps vLLM's own slots, which
+    the wrapper serves as before, and one line says why.
+    """
+    try:
+        patch_layers()
+    except Exception as exc:  # noqa: BLE001 -- vLLM's slots still work
+        logger.warning("lorahook: LoRA layers keep vLLM's slots (--max-loras x "
+                       "--max-lora-rank): %s: %s", type(exc).__name__, exc)
+
+
 def register() -> None:
     """vLLM's entry point: make the CPU platform name lorahook's wrapper, or say why not.
 
@@ -799,6 +828,7 @@ def register() -> None:
         # this platform object only: its class (and any other instance) is left as it is
         current_platform.get_punica_wrapper = lambda: QUALNAME
         _keep_compiling(current_platform)
+        _slots_of_adapters()
         logger.info("lorahook %s: vLLM's CPU LoRA runs on lorahook's kernels (%s)",
                     lorahook.__version__, QUALNAME)
     except Exception as exc:  # noqa: BLE001 -- a plugin must never stop vLLM from starting
