@@ -246,6 +246,19 @@ class _Engine:
         assert got == label, (got, label)
         return float(rate)
 
+    def rss(self):
+        """The largest resident set among the engine's processes (its worker's), in bytes."""
+        import psutil
+        procs = [psutil.Process(self.proc.pid)]
+        procs += procs[0].children(recursive=True)
+        sizes = []
+        for p in procs:
+            try:
+                sizes.append(p.memory_info().rss)
+            except psutil.Error:
+                pass
+        return max(sizes)
+
     def close(self):
         if self.proc.poll() is None:
             self.proc.stdin.close()
@@ -340,6 +353,117 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
     return table
 
 
+# the tenants benchmark's engines, in two groups alive one after the other (a group's
+# engines take bursts in turn, round after round): (key, tenants' kind, tenants,
+# requests, --max-loras, --max-cpu-loras, --max-lora-rank, plugin); a kind None is vLLM
+# started without --enable-lora
+TENANT_GROUPS = [
+    [("t64", "rank 8", 64, 64, 64, 64, 8, True),
+     ("t64 own", "rank 8", 64, 64, 64, 64, 8, False),
+     ("t256 via 64", "rank 8", 256, 256, 64, 256, 8, True)],
+    [("t256 mixed", "mixed", 256, 256, 256, 256, 64, True),
+     ("no lora", None, 0, 256, 1, 1, 8, False)],
+]
+TENANT_BURSTS = [  # (rate key, engine, requests with or without their adapters)
+    [("t64", "t64", "adapters"), ("t64 none", "t64", "none"), ("t64 own", "t64 own", "adapters"),
+     ("t256 via 64", "t256 via 64", "adapters")],
+    [("t256 mixed", "t256 mixed", "adapters"), ("no lora", "no lora", "none")],
+]
+
+
+def tenants(workdir, configs=None, rounds=3, max_tokens=32, own_256=True):
+    """Many tenants, each request its own adapter: lorahook's slots against vLLM's.
+
+    For each configuration (bfloat16 and float32 on two threads), first: 64
+    rank-8 tenants with ``--max-loras 64`` (lorahook with and without the
+    adapters, vLLM's own kernels) and 256 through ``--max-loras 64``; then 256
+    tenants of ranks 8, 16 and 64 on different modules with ``--max-loras 256
+    --max-cpu-loras 256 --max-lora-rank 64`` beside vLLM without LoRA: the
+    rates, and the worker's resident set against that engine's, set against
+    the adapters' own bytes in the model's dtype; then, alone, vLLM's own
+    kernels and slots in that configuration (it may not start: the line says
+    so).  Rates are tokens/s; a ratio is taken within a round.
+    """
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from vllm_files import TENANT_KINDS, save_model_and_adapters, save_tenants
+    model_dir, _, _ = save_model_and_adapters(workdir, [], size="0.5b")
+    kinds = {"rank 8": TENANT_KINDS[:1], "mixed": TENANT_KINDS}
+    made = {k: save_tenants(os.path.join(workdir, k.replace(" ", "-")), 256, "0.5b", v)
+            for k, v in kinds.items()}
+    kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    table = []
+    for label, dtype, bind, _ in _configs(configs or ["2 threads"]):
+        if "max-lora-rank" in label:
+            continue
+        size = 2 if dtype == "bfloat16" else 4
+        env = {"VLLM_CPU_KVCACHE_SPACE": kv, "VLLM_CPU_OMP_THREADS_BIND": bind}
+        rates, rss = {}, {}
+        mixed_bytes = made["mixed"][2] * size
+
+        def spec(kind, n_tenants, n_requests, max_loras, cpu, rank):
+            adapters, names, _ = made[kind or "mixed"]
+            return dict(model=model_dir, adapters=adapters, names=names[:n_tenants],
+                        enable_lora=kind is not None, requests=n_requests,
+                        max_tokens=max_tokens, max_loras=max_loras, max_cpu_loras=cpu,
+                        max_lora_rank=rank, dtype=dtype, max_num_seqs=64, warm_all=True)
+        for group, order in zip(TENANT_GROUPS, TENANT_BURSTS):
+            engines = {}
+            try:
+                for key, kind, n, nreq, loras, cpu, rank, plugin in group:
+                    e = {**env} if plugin else {**env, "VLLM_PLUGINS": "none"}
+                    engines[key] = _Engine(spec(kind, n, nreq, loras, cpu, rank), e,
+                                           os.path.join(workdir, f"{key}.log")).ready()
+                for r in range(rounds):
+                    for key, engine, what in order if r % 2 == 0 else order[::-1]:
+                        rates.setdefault(key, []).append(engines[engine].burst(what) * max_tokens)
+                rss.update({k: engines[k].rss() for k in ("t256 mixed", "no lora")
+                            if k in engines})
+            finally:
+                for engine in engines.values():
+                    engine.close()
+        own = "not run"
+        if own_256:
+            e = _Engine({**spec("mixed", 256, 256, 256, 256, 64), "oom_first": True},
+                        {**env, "VLLM_PLUGINS": "none"}, os.path.join(workdir, "t256-own.log"))
+            try:
+                e.ready()
+                own_rate = e.burst("adapters") * max_tokens
+                own = (f"started; {own_rate:.0f} tokens/s; worker resident set "
+                       f"{e.rss() / 2**30:.2f} GiB")
+            except RuntimeError as exc:
+                own = f"did not start or serve: {str(exc).splitlines()[0]}"
+            finally:
+                e.close()
+
+        def ratio(k1, k2):
+            return statistics.median(a / b for a, b in zip(rates[k1], rates[k2], strict=True))
+        lora_mem = rss["t256 mixed"] - rss["no lora"]
+        row = dict(config=label, rates=rates, vs_none=ratio("t64", "t64 none"),
+                   vs_own=ratio("t64", "t64 own"), via64=ratio("t256 via 64", "t64"),
+                   mixed_vs_none=ratio("t256 mixed", "no lora"), lora_mem=lora_mem,
+                   adapters_bytes=mixed_bytes, own_256=own)
+        table.append(row)
+        print(f"{label}: tokens/s per round: " + "; ".join(f"{k} {_fmt(v)}"
+                                                            for k, v in rates.items()),
+              flush=True)
+        print(f"{label}: 256 mixed tenants: worker resident set {rss['t256 mixed'] / 2**30:.2f} "
+              f"GiB against {rss['no lora'] / 2**30:.2f} GiB without LoRA: LoRA "
+              f"{lora_mem / 2**20:.0f} MiB for {mixed_bytes / 2**20:.0f} MiB of adapters "
+              f"({lora_mem / mixed_bytes:.2f} x); vLLM's own kernels and slots: {own}",
+              flush=True)
+    print()
+    print("| configuration | 64 tenants, --max-loras 64: lorahook / no adapters | / vLLM's own "
+          "| 256 tenants via --max-loras 64 / 64 tenants | 256 mixed tenants, --max-loras 256 "
+          "--max-lora-rank 64: / vLLM without LoRA | its LoRA memory / adapters' bytes |")
+    print("|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['config']} | {r['vs_none']:.3f} ({max(r['rates']['t64']):.0f} tokens/s) "
+              f"| {r['vs_own']:.2f} | {r['via64']:.2f} | {r['mixed_vs_none']:.2f} | "
+              f"{r['lora_mem'] / 2**20:.0f} / {r['adapters_bytes'] / 2**20:.0f} MiB = "
+              f"{r['lora_mem'] / r['adapters_bytes']:.2f} |")
+    return table
+
+
 def _per_round(rates, k1, k2):
     """Each round's ratio of ``k1``'s rate to ``k2``'s (bursts of the same round)."""
     return [a / b for a, b in zip(rates[k1], rates[k2], strict=True)]
@@ -351,7 +475,7 @@ def _fmt(values):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["ops", "serve"])
+    p.add_argument("what", choices=["ops", "serve", "tenants"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="ops: the threads of the pooled candidates (default: every core)")
@@ -367,9 +491,14 @@ def main():
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="serve: vLLM's --lora-target-modules for both LoRA engines (the "
                         "adapters' modules are qkv_proj o_proj down_proj)")
+    p.add_argument("--skip-own-256", action="store_true",
+                   help="tenants: do not try vLLM's own kernels with 256 slots of rank 64")
     args = p.parse_args()
     if args.what == "ops":
         ops(dtype=args.dtype, threads=args.threads)
+    elif args.what == "tenants":
+        tenants(args.workdir or tempfile.mkdtemp(prefix="lorahook-vllm-bench-"),
+                configs=args.config, rounds=args.rounds, own_256=not args.skip_own_256)
     else:
         workdir = args.workdir or tempfile.mkdtemp(prefix="lorahook-vllm-bench-")
         serve(workdir, configs=args.config, rounds=args.rounds,

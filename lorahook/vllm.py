@@ -19,13 +19,19 @@ tensors, with the GIL released -- a projection's rows read where they lie
 (:func:`~lorahook._stacked.apply_pairs_tensors`: no NumPy view is made, which
 on a decode step's few rows cost more than the kernel):
 
-* **in the model's dtype**: ``A`` is read in place; ``B`` is kept transposed
-  in the same dtype; 16-bit rows are read and written as they are, widened in
+* **in the model's dtype**: ``A`` is read in place; ``B`` transposed (an
+  adapter's own ``B`` laid out so once, in place; vLLM's stacked ``B`` copied);
+  16-bit rows are read and written as they are, widened in
   registers, products summed in float32 (or as the CPU's bfloat16 dot
   products), each output rounded once;
-* **at each slot's own rank**: vLLM pads every slot to ``--max-lora-rank``;
-  a slot's real rank is found when vLLM writes the slot (the tensors' version
-  counters say so), never per step;
+* **at each slot's own rank**: the linear layers and the logits hold no
+  stacked slots; a slot refers to its adapter's own tensors in vLLM's CPU
+  cache (:mod:`lorahook._vllm_slots`), so a slot costs what its adapter
+  holds whatever ``--max-loras`` and ``--max-lora-rank`` say.  vLLM's own
+  stacked slots (every linear layer's with ``LORAHOOK_VLLM_SLOTS=stacked``)
+  are read at each slot's real rank, found
+  when vLLM writes the slot (the tensors' version counters say so), never
+  per step;
 * **on vLLM's threads**: the work is split over a team of
   ``torch.get_num_threads()`` threads of the OpenMP runtime torch computes on
   (vLLM preloads it and binds its threads to the cores), so no second pool

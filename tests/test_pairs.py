@@ -98,6 +98,15 @@ def _reference(slots, x64, y64, ref, outs, scale, add, col=3, magnitude=False):
     return out
 
 
+def _assert_near_float64(got, half, slots, x64, y64, ref, outs, scale, add):
+    """Every covered row of ``got`` equals float64's to ``TOL`` of its terms' sizes."""
+    cov = slots >= 0
+    exact = _reference(slots, x64, y64, ref, outs, scale, add)
+    mag = _reference(slots, x64, y64, ref, outs, scale, add, magnitude=True)
+    err = np.abs(_widen(got, half)[cov] - exact[cov])
+    assert np.all(err <= TOL[half] * mag[cov]), (err / mag[cov]).max()
+
+
 def _widen(y, half):
     if half is None:
         return y.astype(np.float64)
@@ -124,11 +133,7 @@ def test_matches_float64_on_every_build_and_team(build, half, n_rows, d_in, outs
     assert np.array_equal(got[base].view(np.uint8), y[base].view(np.uint8))
     for cols in (slice(0, 3), slice(-4, None)):  # columns outside the output view: untouched
         assert np.array_equal(got[:, cols].view(np.uint8), y[:, cols].view(np.uint8))
-    want = _reference(slots, x64, y64, ref, outs, 0.75, add)
-    mag = _reference(slots, x64, y64, ref, outs, 0.75, add, magnitude=True)
-    cov = ~base
-    err = np.abs(_widen(got, half)[cov] - want[cov])
-    assert np.all(err <= TOL[half] * mag[cov]), (err / mag[cov]).max()
+    _assert_near_float64(got, half, slots, x64, y64, ref, outs, 0.75, add)
 
 
 def test_a_slot_costs_its_rank_never_the_padding():
@@ -258,10 +263,7 @@ def test_tensors_are_read_in_place_as_arrays_are(half, add):
     apply_pairs(groups, x, want[:, 3:3 + sum(outs)], pairs, 0.75, add=add, half=half)
     got = yt.numpy() if half is None else yt.view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
-    cov = slots >= 0
-    exact = _reference(slots, x64, y64, ref, outs, 0.75, add)
-    mag = _reference(slots, x64, y64, ref, outs, 0.75, add, magnitude=True)
-    assert np.all(np.abs(_widen(got, half)[cov] - exact[cov]) <= TOL[half] * mag[cov])
+    _assert_near_float64(got, half, slots, x64, y64, ref, outs, 0.75, add)
 
 
 def test_tensors_of_another_layout_are_left_to_the_caller():
@@ -328,10 +330,7 @@ def test_per_slot_adapters_equal_stacked_slots_and_float64(build, half, add):
         got = y.copy()
         apply_pairs(groups, x, got[:, 3:3 + sum(outs)], per, 0.5, add=add, half=half, team=team)
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
-    cov = slots >= 0
-    exact = _reference(slots, x64, y64, ref, outs, 0.5, add)
-    mag = _reference(slots, x64, y64, ref, outs, 0.5, add, magnitude=True)
-    assert np.all(np.abs(_widen(got, half)[cov] - exact[cov]) <= TOL[half] * mag[cov])
+    _assert_near_float64(got, half, slots, x64, y64, ref, outs, 0.5, add)
 
 
 def test_a_slot_is_set_again_at_another_rank_and_cleared():

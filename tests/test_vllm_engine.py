@@ -24,10 +24,13 @@ TOKENS = 10
 NAMES = ["alpha", "beta", "gamma"]
 MERGED = "merged"
 EMBED = "embed"  # LoRA on embed_tokens and lm_head too, which vLLM accepts
+# rank 16 on one slice of qkv_proj, one of gate_up_proj and lm_head: with max_loras 2 the
+# slots are reused, at rank 8 and 16, for adapters on other modules
+R16 = "r16"
 PROMPTS = [[1, 10, 11, 12, 13], [1, 20, 21], [1, 5, 6, 7, 8, 9], [1, 30, 31, 32],
            [1, 40, 41, 42, 43, 44, 45], [1, 50, 51], [1, 12, 22, 32], [1, 9, 8, 7, 6],
-           [1, 33, 44, 55], [1, 6, 16, 26, 36]]
-ROWS = ["alpha", "beta", None, "gamma", MERGED, None, "beta", MERGED, EMBED, EMBED]
+           [1, 33, 44, 55], [1, 6, 16, 26, 36], [1, 7, 8, 9], [1, 44, 45, 46, 47]]
+ROWS = ["alpha", "beta", None, "gamma", MERGED, None, "beta", MERGED, EMBED, EMBED, R16, R16]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,8 @@ def files():
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
         save_model_and_adapters(tmp, [EMBED], target_modules=[
             "q_proj", "v_proj", "embed_tokens", "lm_head"])
+        save_model_and_adapters(tmp, [R16], r=16, target_modules=["q_proj", "gate_proj",
+                                                                   "lm_head"])
         yield model_dir, adapters
 
 
@@ -46,11 +51,11 @@ def run(spec, **env):
     return launch(spec, env, timeout=900)
 
 
-def offline(files, dtype="float32", max_lora_rank=8, **env):
+def offline(files, dtype="float32", max_lora_rank=16, **env):
     model_dir, adapters = files
     # max_loras 2 < 5 adapters: slots are reused (LRU) within one generate call
     return run(dict(mode="offline", model=model_dir, adapters=adapters, names=ROWS,
-                    prompts=PROMPTS, max_tokens=TOKENS, max_loras=2, max_cpu_loras=5,
+                    prompts=PROMPTS, max_tokens=TOKENS, max_loras=2, max_cpu_loras=6,
                     dtype=dtype, max_lora_rank=max_lora_rank), **env)
 
 
@@ -74,6 +79,18 @@ def test_the_plugin_serves_and_turns_off(float32_runs):
     assert theirs["wrapper"] == "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"
 
 
+def test_slots_refer_to_the_adapters_and_embeddings_keep_vllms(float32_runs):
+    # linear layers and the logits hold each adapter's own tensors at its own rank; the
+    # embedding's forward reads vLLM's stacked A itself: it keeps vLLM's slots, said once
+    (_, log), (_, their_log) = float32_runs
+    assert "lorahook: LoRA slots refer to each adapter's own tensors at its own rank" in log
+    kept = [line for line in log.splitlines() if "layers keep vLLM's slots" in line]
+    assert len(kept) == 1, kept
+    assert ("VocabParallelEmbeddingWithLoRA layers keep vLLM's slots (--max-loras x "
+            "--max-lora-rank): its forward reads vLLM's stacked A itself") in kept[0]
+    assert "keep vLLM's slots" not in their_log and "LoRA slots refer" not in their_log
+
+
 def test_the_plugin_keeps_vllms_compiler_with_lora(float32_runs):
     # vLLM's defaults (no enforce_eager): vLLM alone turns compilation off when LoRA is on;
     # with the plugin the model is compiled, lorahook's calls custom ops in its graph
@@ -84,9 +101,12 @@ def test_the_plugin_keeps_vllms_compiler_with_lora(float32_runs):
 
 
 def test_the_compile_switch_gives_vllm_its_choice_back(files, references):
-    eager, log = offline(files, LORAHOOK_VLLM_COMPILE="0")
+    # and vLLM's stacked slots (LORAHOOK_VLLM_SLOTS=stacked), which lorahook's kernels read
+    # at each slot's real rank as they did before slots held adapters' own tensors
+    eager, log = offline(files, LORAHOOK_VLLM_COMPILE="0", LORAHOOK_VLLM_SLOTS="stacked")
     assert eager["wrapper"] == "lorahook.vllm.PunicaWrapperLorahook"
     assert "LORAHOOK_VLLM_COMPILE=0: vLLM decides whether to compile with LoRA" in log
+    assert "layers keep vLLM's slots (--max-loras x --max-lora-rank): LORAHOOK_VLLM_SLOTS" in log
     assert "'mode': <CompilationMode.NONE: 0>" in log
     exact = 0
     for i, (got, (ref, top2)) in enumerate(zip(eager["tokens"], references)):
@@ -115,8 +135,8 @@ def test_mixed_generate_equals_vllms_own_kernels(float32_runs):
 
 
 def test_two_threads_and_padded_ranks_equal_vllms_own_kernels(files, float32_runs):
-    # vLLM on two threads, every slot padded to rank 64 for adapters of rank 8: lorahook's
-    # kernels run on vLLM's two OpenMP threads, each slot at its real rank
+    # vLLM on two threads with --max-lora-rank 64 for adapters of rank 8 and 16: lorahook's
+    # kernels run on vLLM's two OpenMP threads, each slot at its adapter's own rank
     _, (theirs, _) = float32_runs
     ours, log = offline(files, max_lora_rank=64, VLLM_CPU_OMP_THREADS_BIND="0-1")
     assert ours["wrapper"] == "lorahook.vllm.PunicaWrapperLorahook"
@@ -158,20 +178,26 @@ def test_bfloat16_equals_vllms_own_kernels(files):
 
 def test_openai_server_loads_and_unloads_at_run_time(files, references):
     model_dir, adapters = files
+    # max_loras 2: alpha and delta take both slots; once delta is unloaded, epsilon (rank
+    # 16, other modules) is loaded and served in a slot an adapter left
     steps = [("complete", "alpha", 0),
              ("load", "delta", "beta"), ("complete", "delta", 1),
              ("unload", "delta"), ("complete", "delta", 1),
+             ("load", "epsilon", R16), ("complete", "epsilon", 10),
              ("complete", "base", 2)]
     out, log = run(dict(mode="server", model=model_dir, adapters=adapters, names=["alpha"],
-                        prompts=PROMPTS, max_tokens=TOKENS, max_loras=2, steps=steps,
+                        prompts=PROMPTS, max_tokens=TOKENS, max_loras=2, max_lora_rank=16,
+                        steps=steps,
                         log=os.path.join(os.path.dirname(model_dir), "server.log")))
-    assert out["updates"] == [["load", "delta", 200], ["unload", "delta", 200]]
-    (m0, s0, t0), (m1, s1, t1), (m2, s2, _), (m3, s3, t3) = out["completions"]
-    assert (s0, s1, s2, s3) == (200, 200, 404, 200)
+    assert out["updates"] == [["load", "delta", 200], ["unload", "delta", 200],
+                              ["load", "epsilon", 200]]
+    (m0, s0, t0), (m1, s1, t1), (m2, s2, _), (m4, s4, t4), (m3, s3, t3) = out["completions"]
+    assert (s0, s1, s2, s4, s3) == (200, 200, 404, 200, 200)
     for got, (ref, top2), what in ((t0, references[0], "alpha"), (t1, references[1], "delta"),
+                                   (t4, references[10], "epsilon"),
                                    (t3, references[2], "base")):
         assert_same_or_tie(got, ref, top2, 1e-3, what)
-    assert out["models"] == ["alpha", "base"]
+    assert out["models"] == ["alpha", "base", "epsilon"]
     with open(os.path.join(os.path.dirname(model_dir), "server.log")) as f:
         text = f.read()
     assert "Using PunicaWrapperLorahook" in text, text[-6000:]

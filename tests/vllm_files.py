@@ -51,3 +51,68 @@ def assert_same_or_tie(got, ref, ref_top2, tol, what):
                                 f"(log-probability gap {gap:.4f})", got, ref)
             return False
     return True
+
+
+# the modules of a Llama decoder layer: (d_in, d_out) from its shape
+def _module_shapes(shape):
+    h, m = shape["hidden"], shape["intermediate"]
+    kv = h // shape["heads"] * shape["kv_heads"]
+    return {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv),
+            "self_attn.v_proj": (h, kv), "self_attn.o_proj": (h, h),
+            "mlp.gate_proj": (h, m), "mlp.up_proj": (h, m), "mlp.down_proj": (m, h)}
+
+
+# tenants' adapters: each rank on its own modules (PEFT's names)
+TENANT_KINDS = [
+    (8, ["q_proj", "v_proj", "o_proj", "down_proj"]),
+    (16, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]),
+    (64, ["q_proj", "v_proj"]),
+]
+
+
+def save_tenants(workdir, count, size="tiny", kinds=TENANT_KINDS):
+    """``(adapters_dir, names, nbytes)``: ``count`` PEFT LoRA adapters written directly.
+
+    Adapter ``i`` has the rank and modules of ``kinds[i % len(kinds)]``,
+    random ``A`` (PEFT's initialisation scale) and ``B`` in bfloat16 files;
+    ``nbytes`` is every adapter's parameter count, in elements, summed (times
+    the model dtype's size, the bytes they hold).  Written without building a
+    model, so hundreds take seconds.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    shape = TINY if size == "tiny" else SIZES[size]
+    shapes = _module_shapes({"intermediate": 2 * shape["hidden"], "heads": 4, "kv_heads": 2,
+                             **shape})
+    adapters = os.path.join(workdir, f"tenants-{size}")
+    names, elements = [], 0
+    for i in range(count):
+        rank, targets = kinds[i % len(kinds)]
+        name = f"t{i:04d}-r{rank}"
+        names.append(name)
+        path = os.path.join(adapters, name)
+        tensors = {}
+        g = torch.Generator().manual_seed(1000 + i)
+        for layer in range(shape["layers"]):
+            for module, (d_in, d_out) in shapes.items():
+                if module.split(".")[-1] not in targets:
+                    continue
+                key = f"base_model.model.model.layers.{layer}.{module}"
+                a = torch.randn(rank, d_in, generator=g) / d_in ** 0.5
+                b = torch.randn(d_out, rank, generator=g) * (0.5 / rank ** 0.5)
+                tensors[key + ".lora_A.weight"] = a.to(torch.bfloat16)
+                tensors[key + ".lora_B.weight"] = b.to(torch.bfloat16)
+                elements += a.numel() + b.numel()
+        if not os.path.exists(os.path.join(path, "adapter_config.json")):
+            os.makedirs(path, exist_ok=True)
+            save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+            with open(os.path.join(path, "adapter_config.json"), "w") as f:
+                json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+                           "lora_alpha": 2 * rank, "target_modules": targets,
+                           "lora_dropout": 0.0, "bias": "none", "base_model_name_or_path": "",
+                           "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+                           "modules_to_save": None}, f)
+    return adapters, names, elements

@@ -82,7 +82,8 @@ def bursts(spec):
 
     llm, inputs, sp, reqs = _engine(spec)
     plain = [None] * len(reqs)
-    llm.generate(inputs[:8], sp, lora_request=reqs[:8], use_tqdm=False)
+    warm = len(reqs) if spec.get("warm_all") else 8  # warm_all: every adapter loaded once
+    llm.generate(inputs[:warm], sp, lora_request=reqs[:warm], use_tqdm=False)
     llm.generate(inputs[:8], sp, lora_request=plain[:8], use_tqdm=False)
     print(f"READY {current_platform.get_punica_wrapper()}", flush=True)
     for line in sys.stdin:
@@ -238,6 +239,9 @@ def launch(spec, env=None, timeout=1800):
 def main():
     with open(sys.argv[1]) as f:
         spec = json.load(f)
+    if spec.get("oom_first"):  # a configuration that may not fit: the kernel ends it first
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
     run = {"offline": offline, "server": server, "bursts": bursts}[spec["mode"]]
     result = run(spec)
     print("RESULT " + json.dumps(result), flush=True)
