@@ -1,4 +1,4 @@
-"""lorahook._vllm_slots: LoRA layers whose slots refer to each adapter's own tensors.
+"""lorahook.vllm.slots: LoRA layers whose slots refer to each adapter's own tensors.
 
 vLLM's layer classes are stood in for by a miniature of one (the same
 ``create_lora_weights`` / ``set_lora`` / ``reset_lora`` code shape as vLLM's
@@ -14,9 +14,10 @@ import pytest
 from required import need
 
 need("torch", "LORAHOOK_REQUIRE_VLLM")
+need("vllm", "LORAHOOK_REQUIRE_VLLM")
 import torch  # noqa: E402
 
-from lorahook import _vllm_slots as slots  # noqa: E402
+from lorahook.vllm import slots  # noqa: E402
 from lorahook._stacked import SlotRows, apply_pairs_tensors  # noqa: E402
 
 D_IN, OUTS = 24, (40, 16)

@@ -14,6 +14,8 @@ from required import need
 torch = need("torch", "LORAHOOK_REQUIRE_VLLM")
 need("vllm", "LORAHOOK_REQUIRE_VLLM")
 lv = need("lorahook.vllm", "LORAHOOK_REQUIRE_VLLM")
+from lorahook.vllm import plugin  # noqa: E402
+from lorahook.vllm.custom_op import pack_call  # noqa: E402
 from vllm.config import CompilationMode as M  # noqa: E402
 from vllm.lora.layers import LoRAMapping  # noqa: E402
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU  # noqa: E402
@@ -201,7 +203,7 @@ def test_no_adapter_step_writes_nothing():
 # --------------------------------------------------------------------------- the plugin
 
 class _Platform:
-    def __init__(self, cpu=True, wrapper=lv._CPU_QUALNAME):
+    def __init__(self, cpu=True, wrapper=plugin._CPU_QUALNAME):
         self._cpu, self._wrapper = cpu, wrapper
 
     def is_cpu(self):
@@ -212,9 +214,9 @@ class _Platform:
 
 
 def test_declines_off_cpu_and_on_other_wrappers():
-    assert "not a CPU" in lv._why_not(_Platform(cpu=False))
-    assert "not vLLM's CPU wrapper" in lv._why_not(_Platform(wrapper="other.Wrapper"))
-    assert lv._why_not(_Platform()) is None
+    assert "not a CPU" in plugin._why_not(_Platform(cpu=False))
+    assert "not vLLM's CPU wrapper" in plugin._why_not(_Platform(wrapper="other.Wrapper"))
+    assert plugin._why_not(_Platform()) is None
 
 
 def test_declines_an_unknown_wrapper_interface():
@@ -224,24 +226,24 @@ def test_declines_an_unknown_wrapper_interface():
 
         def add_shrink(self, y, x, lora_a_stacked):  # "scale" gone
             pass
-    reason = lv._interface_mismatch(Changed)
+    reason = plugin._interface_mismatch(Changed)
     assert reason == "Changed.add_shrink has no parameter scale"
 
 
 def test_declines_vllm_0_30_without_apply_lora_full_linear():
     # vLLM 0.30's CPU wrapper: every method lorahook implements but the full-linear one
-    members = {name: getattr(lv.PunicaWrapperCPU, name) for name in lv._INTERFACE
+    members = {name: getattr(PunicaWrapperCPU, name) for name in plugin._INTERFACE
                if name != "apply_lora_full_linear"}
-    members.update(token_lora_indices=lv.PunicaWrapperCPU.token_lora_indices,
-                   sampler_indices=lv.PunicaWrapperCPU.sampler_indices)
+    members.update(token_lora_indices=PunicaWrapperCPU.token_lora_indices,
+                   sampler_indices=PunicaWrapperCPU.sampler_indices)
     old = type("PunicaWrapperCPU", (), members)
-    assert lv._interface_mismatch(old) == "PunicaWrapperCPU has no method apply_lora_full_linear"
+    assert plugin._interface_mismatch(old) == "PunicaWrapperCPU has no method apply_lora_full_linear"
 
 
 def test_register_never_raises(monkeypatch, caplog):
     def boom(platform):
         raise RuntimeError("a surprise")
-    monkeypatch.setattr(lv, "_why_not", boom)
+    monkeypatch.setattr(plugin, "_why_not", boom)
     with caplog.at_level(logging.INFO, logger="vllm.lorahook"):
         assert lv.register() is None
     assert "not active: RuntimeError: a surprise" in caplog.text
@@ -421,12 +423,12 @@ def test_the_custom_op_traces_as_a_write_of_its_output():
     with FakeTensorMode():
         y, x = torch.empty(5, 8), torch.empty(5, 4)
         a, b = [torch.empty(SLOTS, 1, 2, 4)], [torch.empty(SLOTS, 1, 8, 2)]
-        assert op(torch.empty(1), lv._pack("linear", 0, True), y, x, a, b, 1.0) is None
+        assert op(torch.empty(1), pack_call("linear", 0, True), y, x, a, b, 1.0) is None
 
 
 def test_the_custom_op_names_a_handle_that_is_no_wrappers():
     with pytest.raises(RuntimeError, match="no live wrapper's in this process"):
-        torch.ops.lorahook.punica(torch.zeros(1), lv._pack("linear", 0, True),
+        torch.ops.lorahook.punica(torch.zeros(1), pack_call("linear", 0, True),
                                   torch.zeros(2, 4), torch.zeros(2, 4), [], [], 1.0)
 
 
@@ -505,8 +507,8 @@ def test_the_platform_keeps_compiling_with_lora_unless_told_not_to(monkeypatch, 
                                                                    expected):
     monkeypatch.setenv("LORAHOOK_VLLM_COMPILE", setting)
     platform = _CompilingPlatform()
-    lv._keep_compiling(platform)
-    lv._keep_compiling(platform)  # twice: wrapped once
+    plugin._keep_compiling(platform)
+    plugin._keep_compiling(platform)  # twice: wrapped once
     lora = object()
     config = _config(M.VLLM_COMPILE, lora)
     platform.check_and_update_config(config)
@@ -524,7 +526,7 @@ def test_a_wrong_compile_setting_is_named_and_vllm_decides(monkeypatch, caplog):
     monkeypatch.setenv("LORAHOOK_VLLM_COMPILE", "yes")
     platform = _CompilingPlatform()
     with caplog.at_level(logging.INFO, logger="vllm.lorahook"):
-        lv._keep_compiling(platform)
+        plugin._keep_compiling(platform)
     config = _config(M.VLLM_COMPILE, object())
     platform.check_and_update_config(config)
     assert config.compilation_config.mode == M.NONE

@@ -1,4 +1,4 @@
-"""vLLM's LoRA layers with slots as big as their adapter (part of :mod:`lorahook.vllm`).
+"""vLLM's LoRA layers with slots as big as their adapter.
 
 vLLM gives each LoRA layer ``--max-loras`` slots, every one padded to
 ``--max-lora-rank`` for every module it can wrap, and copies an adapter into
