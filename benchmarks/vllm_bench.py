@@ -14,7 +14,7 @@ vLLM's defaults) on a random 0.5B-shaped Llama (hidden 896, 24 layers, MLP 4864,
 heads, 2 KV heads) with 8 PEFT adapters of rank 8 on ``q_proj v_proj o_proj down_proj``
 and times bursts of 64 requests x 32 greedy tokens, in float32 and bfloat16, on one and
 two threads (``VLLM_CPU_OMP_THREADS_BIND``; all cores too on a larger machine), and in
-bfloat16 on two threads with ``--max-lora-rank 64``.  Each configuration keeps its
+both dtypes on two threads with ``--max-lora-rank 64``.  Each configuration keeps its
 engines alive side by side -- lorahook's, vLLM's own LoRA kernels (``VLLM_PLUGINS=none``) and, with
 ``--without-lora``, vLLM started without ``--enable-lora`` -- and sends them bursts in
 turn, round after round (every other round in reverse order); a ratio is taken within
@@ -161,6 +161,7 @@ CONFIGS = [
     ("bfloat16, 1 thread", "bfloat16", "0", 8),
     ("bfloat16, 2 threads", "bfloat16", "0-1", 8),
     ("bfloat16, 2 threads, --max-lora-rank 64", "bfloat16", "0-1", 64),
+    ("float32, 2 threads, --max-lora-rank 64", "float32", "0-1", 64),
 ]
 
 
