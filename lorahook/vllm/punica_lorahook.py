@@ -60,10 +60,14 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
     """vLLM's CPU punica wrapper with lorahook's grouped kernels behind every method.
 
     The slot grouping of the step's tokens (and of its sampled rows, for the
-    logits) is built once per :meth:`update_metadata`; each projection then
-    runs :func:`lorahook._stacked.apply_slots` on vLLM's tensors.  Results
-    equal vLLM's CPU ops to float32 rounding (a row's result does not depend
-    on the other slots' rows; 16-bit outputs are rounded once).
+    logits) is built once per :meth:`update_metadata`; each linear projection
+    and the logits then run the pairs kernel
+    (:func:`lorahook._stacked.apply_pairs_tensors`) on a layer's slot table
+    or on vLLM's stacked slots, and the calls it does not take (a shrink or an
+    expand alone, embeddings, classifier heads) run
+    :func:`lorahook._stacked.apply_slots`.  Results equal vLLM's CPU ops to
+    float32 rounding (a row's result does not depend on the other slots' rows;
+    16-bit outputs are rounded once).
     """
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int,
