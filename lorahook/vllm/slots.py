@@ -37,10 +37,11 @@ import weakref
 import torch
 
 from lorahook._stacked import SlotPairs, apply_pairs_tensors
+from lorahook.vllm.tensors import HALF, array_of
 
 logger = logging.getLogger("vllm.lorahook")
 
-_KINDS = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_KINDS = {torch.float32: "float32", **HALF}
 
 # the layer classes whose LoRA weights lorahook holds itself (vLLM's own classes, by name;
 # a subclass of one of them is not served unless named here)
@@ -96,7 +97,7 @@ class SlotTable:
         self.name = name
         self.pairs = SlotPairs.per_slot(n_slots, d_in, d_outs, _KINDS[dtype])
         self.dtype = dtype
-        self.half = None if dtype == torch.float32 else _KINDS[dtype]
+        self.half = HALF.get(dtype)
         self.width = sum(d_outs)
         self.d_outs = tuple(d_outs)
         self.log = None  # while vLLM's set_lora runs: what it writes (see _recorded)
@@ -173,7 +174,7 @@ class SlotTable:
             else:
                 bt = torch.zeros((k, d_out), dtype=self.dtype)
                 bt[:, :b.shape[0]] = b.t()
-        return _view(at), _view(bt)
+        return array_of(at.detach(), []), array_of(bt.detach(), [])
 
     def apply_converted(self, rows, covered, x, y, scale, add, team) -> None:
         """The call on rows the fast path does not take (another dtype or layout).
@@ -201,14 +202,6 @@ class SlotTable:
             y2[covered, :self.width] += part
         else:
             y2[covered, :self.width] = part
-
-
-def _view(t: torch.Tensor):
-    """A NumPy view of a CPU tensor (16-bit values as uint16 patterns)."""
-    t = t.detach()
-    if t.dtype == torch.float32:
-        return t.numpy()
-    return t.view(torch.int16).numpy().view("uint16")
 
 
 # ---------------------------------------------------------------------------
@@ -244,11 +237,6 @@ class _Target:
     def copy_(self, src, non_blocking=False):
         r = self._recorder
         r._log.append(("copy", r._side, r._i, self._key, src))
-        return self
-
-    def zero_(self):
-        r = self._recorder
-        r._log.append(("fill", r._side, r._i, self._key, 0))
         return self
 
 
