@@ -21,18 +21,22 @@ directives = {
     "embedsignature": True,
 }
 
-# The compiled modules, each one concern (lorahook/_rows.pyx says which);
-# they share declarations through their .pxd files.
+# dladdr/dlopen/dlsym (finding the BLAS file, the OpenMP runtime already
+# loaded): in libdl before glibc 2.34
+LIBDL = {"libraries": ["dl"] if sys.platform.startswith("linux") else []}
+
+# The compiled modules, each named after what it computes (lorahook/_rows.pyx
+# says which does what); they share declarations through their .pxd files.
 MODULES = {
     "_checks": {},
     "_halfconv": {},
-    # dladdr/dlopen/dlsym (finding the BLAS file): in libdl before glibc 2.34
-    "_kernels": {"libraries": ["dl"] if sys.platform.startswith("linux") else []},
+    "_segments": LIBDL,
+    "_kernels": {},
+    "_sources": {},
     "_rows": {},
     "_load": {},
-    # LoRA over stacked per-slot factors (the layout serving engines keep)
-    # dlsym/dladdr (finding the OpenMP runtime already loaded): in libdl before glibc 2.34
-    "_stacked": {"libraries": ["dl"] if sys.platform.startswith("linux") else []},
+    "_slot_rows": {},
+    "_slot_pairs": LIBDL,
     "_testing": {},
 }
 

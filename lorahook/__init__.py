@@ -1,6 +1,7 @@
 """lorahook: LoRA adapters applied inside CPU inference, row by row, in place."""
 from ._rows import DEBUG_BUILD
-from .adapter import LoraAdapter, SavedModule, blend
+from .adapter import LoraAdapter, SavedModule
+from .blend import blend
 from .layer import LoraLayer
 from .errors import LoraCapacityError, LoraFormatError, LoraValidationError
 from .models import (

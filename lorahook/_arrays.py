@@ -11,18 +11,18 @@ import numpy as np
 from . import _halfconv
 from ._values import finite_real
 
-_INT_MAX = 2**31 - 1
+INT_MAX = 2**31 - 1
 
 
-def _finite_scale(value, name):
+def finite_scale(value, name):
     """A scale or weight: a finite real that fits in float32."""
     return finite_real(value, name, float32=True)
 
 
-_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _weight_dtype(dtype):
+def weight_dtype(dtype):
     """The numpy dtype for ``float32`` / ``float16`` / ``bfloat16`` (ml_dtypes); TypeError otherwise."""
     if isinstance(dtype, str) and dtype == "bfloat16":
         ml = sys.modules.get("ml_dtypes")
@@ -34,34 +34,34 @@ def _weight_dtype(dtype):
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
-    if dt.name not in _WEIGHT_DTYPES or not dt.isnative or (dt.name == "bfloat16" and dt.num < 256):
+    if dt.name not in WEIGHT_DTYPES or not dt.isnative or (dt.name == "bfloat16" and dt.num < 256):
         raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dt}")
     return dt
 
 
-def _as_float32(arr):
+def as_float32(arr):
     """A float32 array of ``arr``'s values (``arr`` itself when it is float32); exact."""
     if arr.dtype == np.float32:
         return arr
     return _halfconv.widen(np.ascontiguousarray(arr).view(np.uint16), arr.dtype.name)
 
 
-def _rounded(arr32, dt):
+def rounded(arr32, dt):
     """``arr32`` rounded to nearest even in ``dt`` (float16 / bfloat16), read-only."""
     out = _halfconv.narrow(np.ascontiguousarray(arr32, dtype=np.float32), dt.name).view(dt)
     out.flags.writeable = False
     return out
 
 
-def _owned_float32(value, name, ndim, transpose=False):
+def owned_float32(value, name, ndim, transpose=False):
     """Copy ``value`` (transposed, with ``transpose``) once into a read-only float32 C-contiguous array."""
     arr = np.asarray(value)
     if arr.dtype.kind not in "fiu" or arr.dtype.kind == "b":
         raise TypeError(f"{name} must hold real numbers, got dtype {arr.dtype}")
     if arr.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got {arr.ndim}-D with shape {arr.shape}")
-    if any(d > _INT_MAX for d in arr.shape):
-        raise ValueError(f"{name} dimensions must each be at most {_INT_MAX}, got {arr.shape}")
+    if any(d > INT_MAX for d in arr.shape):
+        raise ValueError(f"{name} dimensions must each be at most {INT_MAX}, got {arr.shape}")
     with np.errstate(over="ignore"):
         out = np.array(arr.T if transpose else arr, dtype=np.float32, order="C", copy=True)
     if not np.isfinite(out).all():
@@ -73,7 +73,7 @@ def _owned_float32(value, name, ndim, transpose=False):
     return out
 
 
-def _check_factor_shapes(a, bt):
+def check_factor_shapes(a, bt):
     if a.shape[0] != bt.shape[0]:
         raise ValueError(
             f"ranks disagree: a has shape {a.shape} (rank {a.shape[0]}), "
@@ -83,7 +83,7 @@ def _check_factor_shapes(a, bt):
             f"d_in and d_out must be >= 1, got a of shape {a.shape} and b of shape {bt.T.shape}")
 
 
-def _check_bias_shape(a, bt, bias):
+def check_bias_shape(a, bt, bias):
     if bias.shape[0] != bt.shape[1]:
         raise ValueError(
             f"bias must have shape ({bt.shape[1]},) to match b's d_out, got {bias.shape}")
@@ -91,10 +91,10 @@ def _check_bias_shape(a, bt, bias):
         raise ValueError("a rank-0 layer cannot carry a bias")
 
 
-_FLOAT32 = np.dtype(np.float32)  # native byte order: equal to no other byte order
+FLOAT32 = np.dtype(np.float32)  # native byte order: equal to no other byte order
 
 
-def _adoptable(arr, name, ndim, dtype=_FLOAT32):
+def adoptable(arr, name, ndim, dtype=FLOAT32):
     """Check an array a layer may keep as it is: ``dtype`` (native), C-contiguous, read-only."""
     if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
         raise TypeError(f"{name} must be a native {dtype} ndarray, got {type(arr).__name__} "
@@ -104,19 +104,19 @@ def _adoptable(arr, name, ndim, dtype=_FLOAT32):
         raise ValueError(f"{name} must be a read-only C-contiguous {ndim}-D array, got "
                          f"{arr.ndim}-D with shape {arr.shape}, c_contiguous={flags.c_contiguous}, "
                          f"writeable={flags.writeable}")
-    if max(arr.shape) > _INT_MAX:
-        raise ValueError(f"{name} dimensions must each be at most {_INT_MAX}, got {arr.shape}")
+    if max(arr.shape) > INT_MAX:
+        raise ValueError(f"{name} dimensions must each be at most {INT_MAX}, got {arr.shape}")
 
 
-def _owned_vector(value, name, length, where):
+def owned_vector(value, name, length, where):
     """A read-only float32 copy of a finite 1-D ``value`` of ``length`` values."""
-    out = _owned_float32(value, f"{where}{name}", 1)
+    out = owned_float32(value, f"{where}{name}", 1)
     if out.shape != (length,):
         raise ValueError(f"{where}{name} must have shape ({length},), got {out.shape}")
     return out
 
 
-def _dora_terms(a, bt, scale, magnitude, weight, base_bias, where):
+def dora_terms(a, bt, scale, magnitude, weight, base_bias, where):
     """DoRA's per-row factors for one layer, from its base weight.
 
     ``g = m / ||W + scale * B @ A||`` (each output row's norm over ``d_in``,
@@ -130,8 +130,8 @@ def _dora_terms(a, bt, scale, magnitude, weight, base_bias, where):
     if w.shape != (d_out, d_in):
         raise ValueError(f"{where}base weight must have shape (d_out, d_in) = {(d_out, d_in)}, "
                          f"got {w.shape}")
-    a64 = _as_float32(a).astype(np.float64)
-    b64 = _as_float32(bt).astype(np.float64).T
+    a64 = as_float32(a).astype(np.float64)
+    b64 = as_float32(bt).astype(np.float64).T
     full = w.astype(np.float64) + float(np.float32(scale)) * (b64 @ a64)
     if not np.isfinite(full).all():
         raise ValueError(f"{where}base weight must hold finite values")
@@ -143,12 +143,12 @@ def _dora_terms(a, bt, scale, magnitude, weight, base_bias, where):
     if base_bias is None:
         c = np.zeros(d_out, dtype=np.float32)
     else:
-        b = _owned_vector(base_bias, "base bias", d_out, where)
+        b = owned_vector(base_bias, "base bias", d_out, where)
         c = ((1.0 - g.astype(np.float64)) * b.astype(np.float64)).astype(np.float32)
     if not (np.isfinite(g).all() and np.isfinite(c).all()):
         raise ValueError(f"{where}DoRA's norm factor overflows float32")
-    gbt = np.ascontiguousarray(_as_float32(bt) * g[None, :], dtype=np.float32)
-    a32 = _as_float32(a)
+    gbt = np.ascontiguousarray(as_float32(bt) * g[None, :], dtype=np.float32)
+    a32 = as_float32(a)
     for arr in (g, c, gbt):
         arr.flags.writeable = False
     return g, c, gbt, a32

@@ -154,13 +154,17 @@ static inline uint16_t lorahook_f32_bits_to_f16(uint32_t x) {
     }
 }
 
+/* The one bfloat16 rounding, on a float32's bits: ties to even on the raw
+   bits (a carry moves into the exponent, and the largest finite values carry
+   into inf; no wrap unless x is a NaN); a NaN keeps its top payload bits and
+   is made quiet.  Written once for a uint32_t or a GCC vector of them. */
+#define LORAHOOK_BF16_ROUNDED(x) (((x) + 0x7FFFu + (((x) >> 16) & 1u)) >> 16)
+#define LORAHOOK_BF16_QUIET(x) (((x) >> 16) | 0x0040u)
+#define LORAHOOK_BF16_IS_NAN(x) (((x) & 0x7FFFFFFFu) > 0x7F800000u)
+
 static inline uint16_t lorahook_f32_bits_to_bf16(uint32_t x) {
-    /* ties to even on the raw bits; a carry moves into the exponent, and the
-       largest finite values carry into inf (no wrap unless x is a NaN) */
-    uint32_t rounded = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
-    uint32_t quiet = (x >> 16) | 0x0040u;  /* NaN: quiet, top payload bits */
     /* a select rather than a branch, so that compilers vectorise the loop */
-    return (uint16_t)((x & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+    return (uint16_t)(LORAHOOK_BF16_IS_NAN(x) ? LORAHOOK_BF16_QUIET(x) : LORAHOOK_BF16_ROUNDED(x));
 }
 
 LORAHOOK_HALF_FN void lorahook_half_widen_portable(const uint16_t *src, float *dst, size_t n, int kind) {
@@ -245,6 +249,29 @@ LORAHOOK_HALF_FN void lorahook_half_narrow_avx2(const float *src, uint16_t *dst,
     lorahook_half_narrow_portable(src + i, dst + i, n - i, kind);
 }
 
+/* 16 float32 values rounded to bfloat16 by the one rule above.
+   VCVTNEPS2BF16 rounds to nearest even and quiets NaNs exactly as that rule
+   does, but treats float32 subnormal inputs as zero: lanes with a zero
+   exponent and a non-zero mantissa are redone with the integer rule (exact
+   there: no carry can reach a NaN).  The pairs kernel's AVX512_BF16 build
+   stores through it too. */
+__attribute__((target("avx512f,avx512bf16,avx512vl"), always_inline))
+static inline __m256i lorahook_bf16_round16(__m512 f) {
+    __m256i r = (__m256i)_mm512_cvtneps_pbh(f);
+    __m512i x = _mm512_castps_si512(f);
+    __mmask16 sub = _mm512_mask_test_epi32_mask(
+        _mm512_testn_epi32_mask(x, _mm512_set1_epi32(0x7F800000)), x,
+        _mm512_set1_epi32(0x007FFFFF));
+    if (sub) {
+        __m512i ir = _mm512_srli_epi32(
+            _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1)))), 16);
+        /* merge at 32-bit granularity: AVX-512F alone, no BW */
+        r = _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_cvtepu16_epi32(r), sub, ir));
+    }
+    return r;
+}
+
 __attribute__((target("avx512f,avx512bf16,avx512vl")))
 LORAHOOK_HALF_FN void lorahook_half_widen_avx512(const uint16_t *src, float *dst, size_t n, int kind) {
     size_t i = 0;
@@ -265,27 +292,8 @@ __attribute__((target("avx512f,avx512bf16,avx512vl")))
 LORAHOOK_HALF_FN void lorahook_half_narrow_avx512(const float *src, uint16_t *dst, size_t n, int kind) {
     size_t i = 0;
     if (kind == LORAHOOK_HALF_BF16) {
-        /* VCVTNEPS2BF16 rounds to nearest even and quiets NaNs exactly as the
-           portable rule does, but treats float32 subnormal inputs as zero.
-           Lanes with a zero exponent and a non-zero mantissa are redone with
-           the integer rule (exact there: no carry can reach a NaN). */
-        const __m512i expmask = _mm512_set1_epi32(0x7F800000);
-        const __m512i manmask = _mm512_set1_epi32(0x007FFFFF);
-        const __m512i one = _mm512_set1_epi32(1);
-        const __m512i bias = _mm512_set1_epi32(0x7FFF);
-        for (; i + 16 <= n; i += 16) {
-            __m512 f = _mm512_loadu_ps(src + i);
-            __m256i r = (__m256i)_mm512_cvtneps_pbh(f);
-            __m512i x = _mm512_castps_si512(f);
-            __mmask16 sub = _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(x, expmask), x, manmask);
-            if (sub) {
-                __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), one);
-                __m512i ir = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(bias, lsb)), 16);
-                /* merge at 32-bit granularity: AVX-512F alone, no BW */
-                r = _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_cvtepu16_epi32(r), sub, ir));
-            }
-            _mm256_storeu_si256((__m256i *)(dst + i), r);
-        }
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i *)(dst + i), lorahook_bf16_round16(_mm512_loadu_ps(src + i)));
     } else {
         for (; i + 16 <= n; i += 16)
             _mm256_storeu_si256((__m256i *)(dst + i),

@@ -56,32 +56,17 @@ LH_P_INLINE void LH_P_NAME(lh_store)(char *p, const int kind, const VF *v) {
         memcpy(p, v, sizeof(VF));
     } else if (kind == LH_P_BF16) {
 #if LH_P_ISA == 3
-        /* VCVTNEPS2BF16: nearest even and quiet NaNs as the rule below, but float32
-           subnormals read as zero; lanes holding one are redone by the rule */
         __m512 f;
-        __m256i r;
-        __mmask16 sub;
         memcpy(&f, v, sizeof f);
-        r = (__m256i)_mm512_cvtneps_pbh(f);
-        sub = _mm512_mask_test_epi32_mask(
-            _mm512_testn_epi32_mask(_mm512_castps_si512(f), _mm512_set1_epi32(0x7F800000)),
-            _mm512_castps_si512(f), _mm512_set1_epi32(0x007FFFFF));
-        if (sub) {
-            __m512i x = _mm512_castps_si512(f);
-            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-            __m512i ir = _mm512_srli_epi32(
-                _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
-            r = _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(_mm512_cvtepu16_epi32(r), sub, ir));
-        }
-        _mm256_storeu_si256((__m256i *)p, r);
+        _mm256_storeu_si256((__m256i *)p, lorahook_bf16_round16(f));
 #else
-        VU u, rounded, quiet, nan;
+        /* _halfconv.h's rounding, lane by lane */
+        VU u, nan;
         VH h;
         memcpy(&u, v, sizeof u);
-        rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-        quiet = (u >> 16) | 0x0040u;
-        nan = (VU)((u & 0x7FFFFFFFu) > 0x7F800000u);
-        h = __builtin_convertvector((nan & quiet) | (~nan & rounded), VH);
+        nan = (VU)LORAHOOK_BF16_IS_NAN(u);
+        h = __builtin_convertvector((nan & LORAHOOK_BF16_QUIET(u)) |
+                                    (~nan & LORAHOOK_BF16_ROUNDED(u)), VH);
         memcpy(p, &h, sizeof h);
 #endif
     } else {

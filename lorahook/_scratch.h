@@ -1,10 +1,11 @@
 /* Per-thread scratch memory for the kernels:
  *
- *   float *lorahook_scratch_slot(size_t n, int slot, int *owned);
+ *   float *lorahook_scratch_slot(size_t n, int area, int *owned);
  *
  * Static, touching no Python object: callable without the GIL.  The cache is
- * per translation unit: each compiled module that includes this header
- * (lorahook/_kernels.pyx, lorahook/_stacked.pyx) keeps its own areas.
+ * per translation unit: each compiled module that includes this header keeps
+ * its own areas, laid out the same way in every module (the LH_SCRATCH_*
+ * areas below).
  */
 #ifndef LORAHOOK_SCRATCH_H
 #define LORAHOOK_SCRATCH_H
@@ -18,10 +19,19 @@
    storage only: no thread is started here.) */
 #define LORAHOOK_SCRATCH_CACHE_FLOATS ((size_t)1 << 20)
 
-/* Three independent areas per thread: 0 for the float32 kernels, 1 for
-   half-precision rows widened to float32, 2 for half-precision adapter
-   weights widened to float32. */
+/* Three independent areas per thread, one layout in every module; a kernel
+   that runs inside another one uses an area the outer one does not. */
+enum {
+    LH_SCRATCH_WIDENED = 0,   /* 16-bit rows widened to float32 around a float32 kernel */
+    LH_SCRATCH_PRODUCTS = 1,  /* a kernel's gathered rows and its products */
+    LH_SCRATCH_WEIGHTS = 2    /* 16-bit adapter factors widened to float32 */
+};
 #define LORAHOOK_SCRATCH_SLOTS 3
+
+/* Rows per chunk of a kernel that gathers its input rows or scatters its
+   output rows through scratch: the chunk's rows stay in cache between the
+   products and the scatter. */
+#define LH_GATHER_CHUNK_ROWS 256
 typedef struct { float *data[LORAHOOK_SCRATCH_SLOTS]; size_t len[LORAHOOK_SCRATCH_SLOTS]; } lorahook_buf;
 static pthread_key_t lorahook_key;
 static pthread_once_t lorahook_once = PTHREAD_ONCE_INIT;
@@ -41,7 +51,7 @@ static void lorahook_make_key(void) {
 /* Returns a buffer of at least n floats, or NULL when out of memory.
    *owned is set to 1 when the caller must free() it (requests larger
    than the cache, or no thread-local storage available). */
-static float *lorahook_scratch_slot(size_t n, int slot, int *owned) {
+static float *lorahook_scratch_slot(size_t n, int area, int *owned) {
     lorahook_buf *b;
     *owned = 0;
     if (n == 0) n = 1;
@@ -57,14 +67,14 @@ static float *lorahook_scratch_slot(size_t n, int slot, int *owned) {
         if (pthread_setspecific(lorahook_key, b) != 0) { free(b); *owned = 1;
             return (float *)malloc(n * sizeof(float)); }
     }
-    if (b->len[slot] < n) {
+    if (b->len[area] < n) {
         float *p = (float *)malloc(n * sizeof(float));
         if (p == NULL) return NULL;
-        free(b->data[slot]);
-        b->data[slot] = p;
-        b->len[slot] = n;
+        free(b->data[area]);
+        b->data[area] = p;
+        b->len[area] = n;
     }
-    return b->data[slot];
+    return b->data[area];
 }
 
 #endif /* LORAHOOK_SCRATCH_H */

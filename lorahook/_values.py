@@ -65,3 +65,9 @@ def finite_real(value, what, *, float32=False, type_error=TypeError, value_error
         raise value_error(
             f"{what} must fit in float32 (|{what}| <= {_FLOAT32_MAX:.7g}), got {number}")
     return number
+
+
+def key_order(key):
+    """Sort key of ``(layer_idx, module)`` keys: layers in order, model-level (``None``) last."""
+    layer_idx, module = key
+    return (layer_idx is None, -1 if layer_idx is None else layer_idx, module)

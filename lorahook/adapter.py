@@ -6,28 +6,24 @@ only checks that the covering layer's ``(d_in, d_out)`` equals the call's
 row widths, then runs the compiled kernel with the GIL released.
 """
 from collections.abc import Mapping
+from typing import NamedTuple
 from types import MappingProxyType
 
 import numpy as np
 
-from . import _checks, _kernels, _rows, threads
-from ._values import is_int
+from . import _checks, _kernels, _sources, threads
+from ._values import is_int, key_order
 from .errors import LoraFormatError, LoraValidationError
 from .files import read_peft, read_safetensors_adapter, write_peft
 from .hook import LoraHook
 from .models import EMBEDDING_MODULES, BertConfig, ModelGeometry
-from ._arrays import _as_float32, _finite_scale, _weight_dtype
+from ._arrays import finite_scale, weight_dtype
 # _layer_from_pickle: what layers pickled by lorahook 0.1.0 name to rebuild themselves
-from .layer import LoraLayer, _check_variant, _layer_from_pickle  # noqa: F401
+from . import layer as _layer, merge, saved_module as _saved_module
+from .layer import LoraLayer, _layer_from_pickle  # noqa: F401
 from .saved_module import SavedModule
 
-__all__ = ["LoraLayer", "LoraAdapter", "SavedModule", "blend", "key_order"]
-
-
-def key_order(key):
-    """Sort key of ``(layer_idx, module)`` keys: layers in order, model-level (``None``) last."""
-    layer_idx, module = key
-    return (layer_idx is None, -1 if layer_idx is None else layer_idx, module)
+__all__ = ["LoraLayer", "LoraAdapter", "SavedModule", "key_order"]
 
 
 def _check_layer_key(key):
@@ -62,11 +58,11 @@ def _str_mapping(value, name):
     return out
 
 
-class LoraAdapter(_rows.KernelTable, LoraHook):
+class LoraAdapter(_sources.KernelTable, LoraHook):
     """An immutable set of LoRA layers keyed by ``(layer_idx, module)``.
 
     A :class:`~lorahook.LoraHook` that runs in the compiled core: it is a
-    kernel table of the core (``lorahook._rows.KernelTable``), so for a
+    kernel table of the core (``lorahook._sources.KernelTable``), so for a
     projection it covers, :func:`~lorahook.apply_lora_rows` adds
     ``scale * B @ (A @ x)`` (+ ``scale * bias``) to every row with the GIL
     released; for any other projection it is inactive.  Safe to share between
@@ -139,16 +135,16 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
 
     # How apply_lora_rows runs this class (lorahook._rows): the kernels alone,
     # the class's own is_active first, or its own apply once per row.
-    _core_dispatch = _rows.DISPATCH_KERNELS
+    _core_dispatch = _sources.DISPATCH_KERNELS
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.apply is not LoraAdapter.apply:
-            cls._core_dispatch = _rows.DISPATCH_PER_ROW
+            cls._core_dispatch = _sources.DISPATCH_PER_ROW
         elif cls.is_active is not LoraAdapter.is_active:
-            cls._core_dispatch = _rows.DISPATCH_ASK_HOOK
+            cls._core_dispatch = _sources.DISPATCH_ASK_HOOK
         else:
-            cls._core_dispatch = _rows.DISPATCH_KERNELS
+            cls._core_dispatch = _sources.DISPATCH_KERNELS
 
     def __init__(self, layers, name=None, metadata=None, *, module_paths=None,
                  saved_modules=None):
@@ -180,11 +176,11 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             if not isinstance(path, str):
                 raise TypeError(f"module path for {key!r} must be a str, got {type(path).__name__}")
             paths[key] = path
-        threads._look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
+        threads.look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         # the core's kernel table first (the keys is_active is true for, rank > 0):
         # it refuses a second fill, before this adapter's state is touched
-        table = {key: layer._kernel for key, layer in checked.items() if layer.rank > 0}
-        table.update((key, module._kernel) for key, module in saved.items())
+        table = {key: _layer.kernel_of(layer) for key, layer in checked.items() if layer.rank > 0}
+        table.update((key, _saved_module.kernel_of(module)) for key, module in saved.items())
         self._set_table(table, type(self)._core_dispatch)
         object.__setattr__(self, "_layers", checked)
         object.__setattr__(self, "_view", MappingProxyType(checked))
@@ -222,7 +218,7 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
                 f"apply takes one row: x must have {layer.d_in} values and output "
                 f"{layer.d_out} for layer ({layer_idx}, {module!r}), got {n} rows "
                 f"(use apply_lora_rows for batches)")
-        _kernels.apply_layer(layer._kernel, x, output, 1)
+        _kernels.apply_layer(_layer.kernel_of(layer), x, output, 1)
 
     # --- read-only properties ---------------------------------------------
 
@@ -266,7 +262,7 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
         naming it, a wrong shape a ``ValueError``.  Nothing changes on
         failure; ``self`` when the adapter has no DoRA layer.
         """
-        lookup = _base_lookup(weights)
+        lookup = base_lookup(weights)
         dora = sorted((k for k, l in self._layers.items() if l.is_dora), key=key_order)
         if not dora:
             return self
@@ -297,8 +293,10 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
 
     def _all_arrays(self):
         """Every array the adapter keeps (layers, DoRA terms, saved modules)."""
-        for part in self._parts().values():
-            yield from part._arrays()
+        for layer in self._layers.values():
+            yield from _layer.arrays_of(layer)
+        for module in self._saved.values():
+            yield from _saved_module.arrays_of(module)
 
     @property
     def nbytes(self):
@@ -333,7 +331,7 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
         widened per call; :meth:`delta_weight`, :func:`blend` and
         :meth:`merge_into` work in float32; :meth:`save_peft` writes ``dtype``.
         """
-        dt = _weight_dtype(dtype)
+        dt = weight_dtype(dtype)
         return self._derived({k: layer.astype(dt) for k, layer in self._layers.items()})
 
     def scaled(self, factor):
@@ -343,7 +341,7 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
         modules, is not linear in its scale: ``ValueError`` for a factor other
         than 1 (scale a DoRA adapter before :meth:`with_base`).
         """
-        factor = _finite_scale(factor, "factor")
+        factor = finite_scale(factor, "factor")
         if factor != 1.0 and self._saved:
             raise ValueError("an adapter with saved modules (modules_to_save) replaces their "
                              "output: it cannot be scaled")
@@ -426,9 +424,8 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             try:
                 # Checked by the reader as a layer checks its arrays (lorahook.files.LayerData):
                 # kept as they are; the kernel checks the shapes once more.
-                _check_variant(item.a, item.b.T, item.bias, item.embedding, item.magnitude)
-                layers[key] = LoraLayer._trusted(item.a, item.b.T, item.scale, item.bias,
-                                                 item.embedding, item.magnitude)
+                layers[key] = _layer.checked_layer(item.a, item.b.T, item.scale, item.bias,
+                                                   item.embedding, item.magnitude)
             except (ValueError, TypeError, OverflowError) as exc:
                 raise LoraFormatError(f"{data.source}: module {item.path!r}: {exc}") from None
         for key, item in data.saved.items():
@@ -465,7 +462,7 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             array is allocated from a size the file claims before the file is
             checked to hold it.
         """
-        dt = None if dtype is None else _weight_dtype(dtype)
+        dt = None if dtype is None else weight_dtype(dtype)
         adapter = cls._from_data(read_peft(path))
         return adapter if dt is None else adapter.astype(dt)
 
@@ -505,54 +502,6 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
             raise KeyError(f"the adapter holds no layer for ({layer_idx}, {module!r})") from None
         return layer.delta_weight()
 
-    def _merge_targets(self, weights, biases):
-        """Every target array, read once from the mappings and checked before any write.
-
-        Returns ``[(key, layer, weight, bias_or_None)]`` in sorted key order.
-        """
-        _refuse_variants(self, "merge_into / unmerge_from")
-        missing = [k for k in sorted(self._layers, key=key_order) if k not in weights]
-        if missing:
-            raise KeyError(f"weights has no entry for adapter keys {missing}")
-        targets = []
-        for key in sorted(self._layers, key=key_order):
-            layer = self._layers[key]
-            w = weights[key]
-            _check_target(w, f"weights[{key!r}]", (layer.d_out, layer.d_in))
-            bv = None
-            if layer.bias is not None:
-                if biases is None or key not in biases:
-                    raise KeyError(f"layer {key!r} has a lora_bias: biases must hold a base bias for it")
-                bv = biases[key]
-                _check_target(bv, f"biases[{key!r}]", (layer.d_out,))
-            targets.append((key, layer, w, bv))
-        _refuse_aliases([(f"weights[{key!r}]", w) for key, _, w, _ in targets]
-                        + [(f"biases[{key!r}]", bv) for key, _, _, bv in targets if bv is not None])
-        return targets
-
-    def _merge(self, weights, biases, sign):
-        targets = self._merge_targets(weights, biases)
-        if not targets:
-            return
-        # Everything that allocates happens before the first write: one
-        # scratch buffer that holds each delta in turn, the float32 factors of
-        # 16-bit layers, the scaled biases.  Targets are updated as plain
-        # ndarrays (a subclass's __array_ufunc__ cannot stop a merge halfway).
-        scratch = np.empty(max(t[2].size for t in targets), dtype=np.float32)
-        work = [(w.view(np.ndarray), _as_float32(layer._bt).T, _as_float32(layer.a),
-                 np.float32(layer.scale),
-                 None if bv is None else (bv.view(np.ndarray),
-                                          _as_float32(layer.bias) * np.float32(layer.scale)))
-                for _, layer, w, bv in targets]
-        update = np.add if sign > 0 else np.subtract
-        for w, b, a, scale, bias in work:
-            delta = scratch[:w.size].reshape(w.shape)
-            np.matmul(b, a, out=delta)
-            delta *= scale
-            update(w, delta, out=w)
-            if bias is not None:
-                update(bias[0], bias[1], out=bias[0])
-
     def merge_into(self, weights, biases=None):
         """Add every key's delta into ``weights[key]`` (float32 ``(d_out, d_in)``) in place.
 
@@ -563,60 +512,17 @@ class LoraAdapter(_rows.KernelTable, LoraHook):
         so a mapping that refuses assignment works and sees its own arrays
         change.
         """
-        self._merge(weights, biases, +1)
+        merge.refuse_variants(self._parts(), "merge_into / unmerge_from")
+        merge.merge_layers(self._layers, weights, biases, +1)
 
     def unmerge_from(self, weights, biases=None):
         """Subtract what :meth:`merge_into` added."""
-        self._merge(weights, biases, -1)
+        merge.refuse_variants(self._parts(), "merge_into / unmerge_from")
+        merge.merge_layers(self._layers, weights, biases, -1)
 
     def __repr__(self):
         name = f"{self._name!r}, " if self._name else ""
         return f"LoraAdapter({name}{len(self._layers)} layers, {self.num_parameters} parameters)"
-
-
-def _refuse_variants(adapter, what):
-    """``ValueError`` for an adapter holding anything but plain linear LoRA layers."""
-    parts = adapter._parts()
-    for key in sorted(parts, key=key_order):
-        part = parts[key]
-        kind = ("a saved module (modules_to_save)" if isinstance(part, SavedModule)
-                else "an embedding LoRA layer" if part.is_embedding
-                else "a DoRA layer" if part.is_dora else None)
-        if kind is not None:
-            raise ValueError(f"{what} takes plain LoRA layers; key {key!r} is {kind}")
-
-
-def _check_target(arr, what, shape):
-    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32:
-        raise TypeError(f"{what} must be a float32 ndarray, got "
-                        f"{type(arr).__name__} {getattr(arr, 'dtype', '')}")
-    if arr.shape != shape:
-        raise ValueError(f"{what} must have shape {shape}, got {arr.shape}")
-    if not arr.flags.writeable:
-        raise ValueError(f"{what} must be writable, got a read-only array")
-
-
-def _byte_span(arr):
-    """``(first, end)`` addresses of the bytes a non-empty array spans."""
-    lo = hi = arr.__array_interface__["data"][0]
-    for n, stride in zip(arr.shape, arr.strides):
-        step = (n - 1) * stride
-        lo, hi = (lo + step, hi) if step < 0 else (lo, hi + step)
-    return lo, hi + arr.itemsize
-
-
-def _refuse_aliases(named):
-    """``ValueError`` when two of the ``(what, array)`` targets share memory."""
-    spans = sorted((_byte_span(arr), i) for i, (_, arr) in enumerate(named) if arr.size)
-    reach = None  # the highest end of the spans seen so far
-    for j, ((lo, hi), i) in enumerate(spans):
-        if reach is not None and lo < reach:
-            # some earlier byte range overlaps: check those exactly
-            for (_, hi_k), k in spans[:j]:
-                if hi_k > lo and np.shares_memory(named[k][1], named[i][1]):
-                    raise ValueError(f"{named[k][0]} and {named[i][0]} share memory: each "
-                                     f"target must be its own array, got the same memory twice")
-        reach = hi if reach is None else max(reach, hi)
 
 
 def _rebuild_adapter(cls, layers, name, metadata, module_paths, saved_modules=None):
@@ -626,7 +532,7 @@ def _rebuild_adapter(cls, layers, name, metadata, module_paths, saved_modules=No
     return obj
 
 
-def _base_lookup(weights):
+def base_lookup(weights):
     """``key -> W | (W, b) | None`` from a mapping or a callable of ``(layer_idx, module)``."""
     if callable(weights) and not isinstance(weights, Mapping):
         return lambda key: weights(*key)
@@ -636,47 +542,28 @@ def _base_lookup(weights):
     return lambda key: weights.get(key)
 
 
-def blend(weighted):
-    """Blend adapters exactly: ``delta = sum(weight_i * delta_i)`` for every key.
+# What the rest of the package reads of an adapter (the adapter store, the
+# resolver), offered here rather than read from its private state.
 
-    ``weighted`` is a sequence of ``(adapter, weight)``.  For a key held by
-    several adapters the blended ``A`` stacks their ``A``s and ``B``
-    concatenates their ``B``s with ``weight * scale`` folded in (rank = the sum
-    of ranks, scale 1); a key held by only some adapters is carried over,
-    multiplied by its weight.  Biases combine the same way.
-    """
-    items = list(weighted)
-    if not items:
-        raise ValueError("blend needs at least one (adapter, weight) pair, got none")
-    parts = {}
-    for i, item in enumerate(items):
-        try:
-            adapter, weight = item
-        except (TypeError, ValueError):
-            raise TypeError(f"blend item {i} must be an (adapter, weight) pair, got {item!r}") from None
-        if not isinstance(adapter, LoraAdapter):
-            raise TypeError(f"blend item {i}: expected a LoraAdapter, got {type(adapter).__name__}")
-        _refuse_variants(adapter, f"blend (item {i})")
-        weight = _finite_scale(weight, f"weight of blend item {i}")
-        for key, layer in adapter.layers.items():
-            parts.setdefault(key, []).append((i, layer, weight))
-    layers, paths = {}, {}
-    for key in sorted(parts, key=key_order):
-        entries = parts[key]
-        shapes = {(l.d_in, l.d_out) for _, l, _ in entries}
-        if len(shapes) > 1:
-            detail = ", ".join(f"item {i}: (d_in, d_out) = {(l.d_in, l.d_out)}" for i, l, _ in entries)
-            raise ValueError(f"cannot blend key {key!r}: shapes differ ({detail})")
-        a = np.concatenate([_as_float32(l.a) for _, l, _ in entries], axis=0)
-        b = np.concatenate([_as_float32(l._bt).T.astype(np.float64) * (w * l.scale)
-                            for _, l, w in entries], axis=1)
-        biases = [(l.bias, w * l.scale) for _, l, w in entries if l.bias is not None]
-        bias = None
-        if biases and a.shape[0] > 0:
-            bias = sum(bv.astype(np.float64) * s for bv, s in biases)
-        layers[key] = LoraLayer(a, b, 1.0, bias)
-        for i, _, _ in entries:
-            path = items[i][0].module_paths.get(key)
-            if path is not None:
-                paths.setdefault(key, path)
-    return LoraAdapter(layers, module_paths=paths)
+class StoreFacts(NamedTuple):
+    """What an adapter store keeps of an adapter, computed once at install."""
+
+    #: ``id -> nbytes`` of every array the adapter keeps
+    arrays: dict
+    #: the distinct float32 scales of the kernels that apply something
+    layer_scales: tuple
+    #: DoRA layers and saved modules are not linear in the scale: rows take 0 or 1
+    row_exact: bool
+
+
+def store_facts(adapter):
+    """The :class:`StoreFacts` of ``adapter``."""
+    scales = {_layer.kernel_of(layer).scale for layer in adapter._layers.values() if layer.rank > 0}
+    scales.update(_saved_module.kernel_of(module).scale for module in adapter._saved.values())
+    return StoreFacts({id(arr): arr.nbytes for arr in adapter._all_arrays()},
+                      tuple(sorted(scales)), adapter._row_exact)
+
+
+def kernel_dispatch(adapter):
+    """How the core runs ``adapter``'s kernels: a ``DISPATCH_*`` value of ``lorahook._sources``."""
+    return type(adapter)._core_dispatch

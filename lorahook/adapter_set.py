@@ -22,10 +22,10 @@ import time
 from collections import Counter, OrderedDict
 from types import MappingProxyType
 
-from .threads import _look_ahead
+from .threads import look_ahead
 from ._values import describe, is_int
-from .adapter import _base_lookup
-from .bound import BoundBatch, BoundSequences, group_units, refuse_unknown, unit_factors
+from .adapter import base_lookup, store_facts
+from .bound import bound_batch, bound_sequences, group_units, refuse_unknown, unit_factors
 from .errors import LoraCapacityError
 from .resolver import Load, check_adapter, check_lookup_name, check_name, check_resolver, resolve
 
@@ -60,16 +60,15 @@ class _Installed:
 
     def __init__(self, adapter):
         self.adapter = adapter
+        facts = store_facts(adapter)
         # id -> nbytes of every array the adapter keeps, for the set's byte count
-        self.arrays = {id(arr): arr.nbytes for arr in adapter._all_arrays()}
+        self.arrays = facts.arrays
         # The distinct scales of the kernels that apply something (float32
         # values, as the core keys them): a batch's per-row scales are
         # multiplied by each of them once, at bind time.
-        scales = {layer._kernel.scale for layer in adapter.layers.values() if layer.rank > 0}
-        scales.update(module._kernel.scale for module in adapter.saved_modules.values())
-        self.layer_scales = tuple(sorted(scales))
+        self.layer_scales = facts.layer_scales
         # DoRA layers and saved modules are not linear in the scale: rows take 0 or 1
-        self.exact = adapter._row_exact
+        self.exact = facts.row_exact
 
 
 class AdapterSet:
@@ -146,7 +145,7 @@ class AdapterSet:
                  "_pinned", "_loading", "_stats", "_base_weights")
 
     def __init__(self, model=None, *, capacity_bytes=None, resolver=None, base_weights=None):
-        _look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
+        look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         self._model = _check_model(model)
         if capacity_bytes is not None:
             if not is_int(capacity_bytes):
@@ -158,7 +157,7 @@ class AdapterSet:
         self._capacity = capacity_bytes
         self._resolver = check_resolver(resolver)
         if base_weights is not None:
-            _base_lookup(base_weights)
+            base_lookup(base_weights)
         self._base_weights = base_weights
         self._lock = threading.Lock()
         # name -> _Installed; never mutated, only replaced as a whole.
@@ -212,7 +211,7 @@ class AdapterSet:
         error propagates (its DoRA rows keep refusing).
         """
         if weights is not None:
-            _base_lookup(weights)  # refuse a wrong type before anything changes
+            base_lookup(weights)  # refuse a wrong type before anything changes
         self._base_weights = weights
         if weights is None:
             return
@@ -594,7 +593,7 @@ class AdapterSet:
         once per step of a packed, continuous batch.
         """
         names, parts = self._bind_parts(row_adapters, scales, "row_adapters", "row")
-        return BoundBatch._make(names, parts)
+        return bound_batch(names, parts)
 
     def bind_sequences(self, seq_adapters, scales=None):
         """A hook for every call of a generation loop over ``len(seq_adapters)`` sequences.
@@ -625,7 +624,7 @@ class AdapterSet:
         sequence count and kept (the last few counts).
         """
         names, parts = self._bind_parts(seq_adapters, scales, "seq_adapters", "sequence")
-        return BoundSequences._make(names, parts)
+        return bound_sequences(names, parts)
 
     def _bind_parts(self, unit_names, scales, what, unit):
         """Check a bind's names and scales; group the units by adapter.

@@ -72,7 +72,7 @@ class NoopLoraHook(LoraHook):
         return "NoopLoraHook()"
 
 
-_rows._set_hook_base(LoraHook)
+_rows.set_hook_base(LoraHook)
 
 apply_lora_rows = _rows.apply_lora_rows
 apply_lora_embedding = _rows.apply_lora_embedding

@@ -8,9 +8,9 @@ compiled kernel a layer runs is built here, once.
 import numpy as np
 
 from ._kernels import EMBEDDING, LORA, LayerKernel
-from ._arrays import (_FLOAT32, _WEIGHT_DTYPES, _adoptable, _as_float32, _check_bias_shape,
-                      _check_factor_shapes, _dora_terms, _finite_scale, _owned_float32,
-                      _rounded, _weight_dtype)
+from ._arrays import (FLOAT32, WEIGHT_DTYPES, adoptable, as_float32, check_bias_shape,
+                      check_factor_shapes, dora_terms, finite_scale, owned_float32,
+                      rounded, weight_dtype)
 
 __all__ = ["LoraLayer"]
 
@@ -81,17 +81,17 @@ class LoraLayer:
     __slots__ = ("_a", "_bt", "_scale", "_bias", "_kernel", "_embedding", "_magnitude", "_dora")
 
     def __init__(self, a, b, scale=1.0, bias=None, *, magnitude=None, embedding=False):
-        a = _owned_float32(a, "a", 2)
-        b = _owned_float32(b, "b", 2, transpose=True)  # stored as B^T
-        scale = _finite_scale(scale, "scale")
-        _check_factor_shapes(a, b)
+        a = owned_float32(a, "a", 2)
+        b = owned_float32(b, "b", 2, transpose=True)  # stored as B^T
+        scale = finite_scale(scale, "scale")
+        check_factor_shapes(a, b)
         if bias is not None:
-            bias = _owned_float32(bias, "bias", 1)
-            _check_bias_shape(a, b, bias)
+            bias = owned_float32(bias, "bias", 1)
+            check_bias_shape(a, b, bias)
         embedding = bool(embedding)
         if magnitude is not None:
-            magnitude = _owned_float32(magnitude, "magnitude", 1)
-        _check_variant(a, b, bias, embedding, magnitude)
+            magnitude = owned_float32(magnitude, "magnitude", 1)
+        check_variant(a, b, bias, embedding, magnitude)
         self._init(a, b, scale, bias, embedding, magnitude, None)
 
     def _init(self, a, bt, scale, bias, embedding=False, magnitude=None, dora=None):
@@ -126,20 +126,20 @@ class LoraLayer:
         C-contiguous and read-only.  Shapes, ranks, the scale and the variant are checked
         as :class:`LoraLayer` checks them; nothing is copied.
         """
-        dtype = a.dtype if isinstance(a, np.ndarray) and a.dtype.name in _WEIGHT_DTYPES \
-            and a.dtype.isnative else _FLOAT32
-        _adoptable(a, "a", 2, dtype)
-        _adoptable(bt, "b^T", 2, dtype)
-        scale = _finite_scale(scale, "scale")
-        _check_factor_shapes(a, bt)
+        dtype = a.dtype if isinstance(a, np.ndarray) and a.dtype.name in WEIGHT_DTYPES \
+            and a.dtype.isnative else FLOAT32
+        adoptable(a, "a", 2, dtype)
+        adoptable(bt, "b^T", 2, dtype)
+        scale = finite_scale(scale, "scale")
+        check_factor_shapes(a, bt)
         if bias is not None:
-            _adoptable(bias, "bias", 1, dtype)
-            _check_bias_shape(a, bt, bias)
+            adoptable(bias, "bias", 1, dtype)
+            check_bias_shape(a, bt, bias)
         if magnitude is not None:
-            _adoptable(magnitude, "magnitude", 1)
+            adoptable(magnitude, "magnitude", 1)
         for name, arr, nd in zip(("g", "(1 - g) b", "g B^T", "a"), dora or (), (1, 1, 2, 2)):
-            _adoptable(arr, name, nd)
-        _check_variant(a, bt, bias, bool(embedding), magnitude, dora)
+            adoptable(arr, name, nd)
+        check_variant(a, bt, bias, bool(embedding), magnitude, dora)
         return cls._trusted(a, bt, scale, bias, bool(embedding), magnitude, dora)
 
     @classmethod
@@ -185,7 +185,7 @@ class LoraLayer:
         """
         if self._magnitude is None:
             raise ValueError("with_base applies to DoRA layers (with a magnitude vector) only")
-        dora = _dora_terms(self._a, self._bt, self._scale, self._magnitude, weight, bias, "")
+        dora = dora_terms(self._a, self._bt, self._scale, self._magnitude, weight, bias, "")
         return self._like(self._a, self._bt, self._scale, self._bias, dora)
 
     a = property(lambda self: self._a, doc="``(rank, d_in)`` float32, read-only.")
@@ -222,7 +222,7 @@ class LoraLayer:
         (its norm depends on the scale): another scale is a ``ValueError``;
         scale it before :meth:`with_base`.
         """
-        scale = _finite_scale(scale, "scale")
+        scale = finite_scale(scale, "scale")
         if self._dora is not None and scale != self._scale:
             raise ValueError("a DoRA layer's base terms depend on its scale: scale the layer "
                              "before with_base, not after")
@@ -240,22 +240,22 @@ class LoraLayer:
         ``self`` when already in ``dtype``.  The kernels widen 16-bit arrays to
         float32 on each call.
         """
-        dt = _weight_dtype(dtype)
+        dt = weight_dtype(dtype)
         if dt == self._a.dtype:
             return self
-        arrays = [None if arr is None else _as_float32(arr)
+        arrays = [None if arr is None else as_float32(arr)
                   for arr in (self._a, self._bt, self._bias)]
         if dt == np.float32:  # widened from 16 bits: new arrays of this layer's own
             for arr in arrays:
                 if arr is not None:
                     arr.flags.writeable = False
         else:
-            arrays = [None if arr is None else _rounded(arr, dt) for arr in arrays]
+            arrays = [None if arr is None else rounded(arr, dt) for arr in arrays]
         dora = self._dora
         if dora is not None:  # the base terms stay; the kernel's factors are the rounded ones
             g, c = dora[0], dora[1]
-            gbt = np.ascontiguousarray(_as_float32(arrays[1]) * g[None, :], dtype=np.float32)
-            a32 = _as_float32(arrays[0])
+            gbt = np.ascontiguousarray(as_float32(arrays[1]) * g[None, :], dtype=np.float32)
+            a32 = as_float32(arrays[0])
             for arr in (gbt, a32):
                 arr.flags.writeable = False
             dora = (g, c, gbt, a32)
@@ -263,7 +263,7 @@ class LoraLayer:
 
     def delta_weight(self):
         """``scale * B @ A`` as a float32 ``(d_out, d_in)`` array (computed in float32)."""
-        out = _as_float32(self._bt).T @ _as_float32(self._a)
+        out = as_float32(self._bt).T @ as_float32(self._a)
         out *= np.float32(self._scale)
         return out
 
@@ -277,7 +277,31 @@ class LoraLayer:
                 f"scale={self._scale:g}{extra})")
 
 
-def _check_variant(a, bt, bias, embedding, magnitude, dora=None):
+# What the rest of the package reads of a layer (adapter, adapter store), offered
+# here rather than read from the layer's private state.
+
+def kernel_of(layer):
+    """The layer's compiled kernel (a ``lorahook._kernels.LayerKernel``)."""
+    return layer._kernel
+
+
+def arrays_of(layer):
+    """Every array the layer keeps: its factors, its bias, DoRA's terms."""
+    return layer._arrays()
+
+
+def checked_layer(a, bt, scale, bias, embedding=False, magnitude=None):
+    """A layer of arrays a reader has already made owned and read-only.
+
+    ``a`` and ``bt`` (``B`` transposed) are adopted as they are after the
+    variant check (:func:`check_variant`); what the constructor would copy
+    and convert is not repeated.
+    """
+    check_variant(a, bt, bias, embedding, magnitude)
+    return LoraLayer._trusted(a, bt, scale, bias, bool(embedding), magnitude)
+
+
+def check_variant(a, bt, bias, embedding, magnitude, dora=None):
     """The checks of a layer's variant: embedding LoRA, DoRA and DoRA's base terms."""
     d_out = bt.shape[1]
     if embedding and bias is not None:

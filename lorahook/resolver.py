@@ -21,8 +21,8 @@ one name, shared by every thread that asks for the name while it runs.
 import os
 import threading
 
-from ._rows import DISPATCH_KERNELS
-from .adapter import LoraAdapter
+from ._sources import DISPATCH_KERNELS
+from .adapter import LoraAdapter, kernel_dispatch
 from .errors import LoraFormatError
 
 __all__ = ["check_name", "check_lookup_name", "check_adapter", "check_resolver", "resolve",
@@ -52,7 +52,7 @@ def check_adapter(name, adapter):
     if not isinstance(adapter, LoraAdapter):
         raise TypeError(
             f"adapter {name!r} must be a lorahook.LoraAdapter, got {type(adapter).__name__}")
-    if adapter._core_dispatch != DISPATCH_KERNELS:
+    if kernel_dispatch(adapter) != DISPATCH_KERNELS:
         raise TypeError(
             f"adapter {name!r} is a {type(adapter).__name__} with its own is_active or apply; an "
             f"AdapterSet batches adapters in the compiled core, which would not call them "

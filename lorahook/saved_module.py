@@ -2,7 +2,7 @@
 import numpy as np
 
 from . import _kernels
-from ._arrays import _adoptable, _owned_float32, _owned_vector
+from ._arrays import adoptable, owned_float32, owned_vector
 
 __all__ = ["SavedModule"]
 
@@ -24,13 +24,13 @@ class SavedModule:
 
     def __init__(self, weight, bias=None, *, embedding=False):
         embedding = bool(embedding)
-        wt = _owned_float32(weight, "weight", 2, transpose=not embedding)
+        wt = owned_float32(weight, "weight", 2, transpose=not embedding)
         if min(wt.shape) < 1:
             raise ValueError(f"weight must have both dimensions >= 1, got {np.shape(weight)}")
         if bias is not None:
             if embedding:
                 raise ValueError("a saved embedding has no bias")
-            bias = _owned_vector(bias, "bias", wt.shape[1], "")
+            bias = owned_vector(bias, "bias", wt.shape[1], "")
         self._init(wt, bias, embedding)
 
     def _init(self, wt, bias, embedding):
@@ -73,13 +73,23 @@ class SavedModule:
         return f"SavedModule({what}, d_in={self.d_in}, d_out={self.d_out}{bias})"
 
 
+def kernel_of(module):
+    """The saved module's compiled kernel (a ``lorahook._kernels.LayerKernel``)."""
+    return module._kernel
+
+
+def arrays_of(module):
+    """Every array the saved module keeps."""
+    return module._arrays()
+
+
 def _saved_from_pickle(wt, bias, embedding):
     for arr in (wt, bias):
         if isinstance(arr, np.ndarray) and arr.flags.writeable:
             arr.flags.writeable = False
-    _adoptable(wt, "weight", 2)
+    adoptable(wt, "weight", 2)
     if bias is not None:
-        _adoptable(bias, "bias", 1)
+        adoptable(bias, "bias", 1)
         if bias.shape != (wt.shape[1],) or embedding:
             raise ValueError("a saved module's bias must have d_out values (linear modules only)")
     if min(wt.shape) < 1:

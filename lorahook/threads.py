@@ -47,7 +47,7 @@ import os
 import threading
 import warnings
 
-from . import _kernels
+from . import _segments
 
 __all__ = ["configure", "info"]
 
@@ -59,7 +59,7 @@ _settings = {"blas_threads": None, "configured": False, "found_blas_threads": No
 
 
 def _blas_path():
-    path = _kernels._blas_library_path()
+    path = _segments.blas_library_path()
     return None if path is None else os.path.realpath(path)
 
 
@@ -206,7 +206,7 @@ def info():
         "numpy_shares_blas": _shared(ours, numpy_blas),
         "configured": _settings["configured"],
         "blas_threads": _settings["blas_threads"],
-        "gemm_crossover": _kernels.get_gemm_crossover(),
+        "gemm_crossover": _segments.get_gemm_crossover(),
         "threads_started": 0,
     }
 
@@ -217,7 +217,7 @@ _found = None
 _found_lock = threading.Lock()
 
 
-def _look_ahead():
+def look_ahead():
     """Look up the BLAS libraries once, ahead of the first request.
 
     Called when the first adapter or :class:`~lorahook.AdapterSet` is made
@@ -240,7 +240,7 @@ def _two_pools_warning():
     """The one-time check before the first batched kernel (see the module docstring)."""
     if _settings["configured"]:
         return
-    ours, numpy_blas = _look_ahead()
+    ours, numpy_blas = look_ahead()
     if ours is None or numpy_blas is None or _shared(ours, numpy_blas):
         return
     if ours.num_threads > 1 and numpy_blas.num_threads > 1:
@@ -255,7 +255,7 @@ def _two_pools_warning():
             f"warning.", RuntimeWarning, stacklevel=2)
 
 
-_kernels._set_first_batched(_two_pools_warning)
+_segments.set_first_batched(_two_pools_warning)
 
 
 def _obsolete_environment():

@@ -116,9 +116,9 @@ Not supported (refused with a clear error rather than silently wrong):
 import contextvars
 import threading
 
-from ._rows import _apply_lora_bits, _apply_lora_embedding_bits
+from ._rows import apply_lora_bits, apply_lora_embedding_bits
 from .hook import LoraHook, apply_lora_embedding, apply_lora_rows
-from .adapter import key_order
+from ._values import key_order
 from .models import MeasuredGeometry, place
 
 __all__ = ["attach", "default_mapping", "geometry_of", "token_rows", "AttachedHooks", "Selection"]
@@ -572,7 +572,7 @@ def _run(hook, path, layer_idx, module, x, output, d_in, d_out):
     if not x.is_floating_point() and not x.is_complex():  # an embedding's token ids
         ids = x.detach().reshape(-1).to(torch.int64).numpy()
         if output.dtype == torch.bfloat16:
-            _apply_lora_embedding_bits(hook, layer_idx, module, ids, yout, d_out, True)
+            apply_lora_embedding_bits(hook, layer_idx, module, ids, yout, d_out, True)
         else:
             apply_lora_embedding(hook, layer_idx, module, ids, yout, d_out)
         return replaced
@@ -583,7 +583,7 @@ def _run(hook, path, layer_idx, module, x, output, d_in, d_out):
         x = x.to(output.dtype)  # e.g. float32 activations around a bfloat16 compute
     xin = _as_numpy(x, "input", path).reshape(-1)
     if x.dtype == torch.bfloat16:
-        _apply_lora_bits(hook, layer_idx, module, xin, yout, d_in, d_out, True)
+        apply_lora_bits(hook, layer_idx, module, xin, yout, d_in, d_out, True)
     else:
         apply_lora_rows(hook, layer_idx, module, xin, yout, d_in, d_out)
     return replaced

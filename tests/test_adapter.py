@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from lorahook import apply_lora_rows, _kernels, LoraAdapter, LoraLayer
+from lorahook import apply_lora_rows, _segments, LoraAdapter, LoraLayer
 
 
 def close(got, ref):
@@ -26,9 +26,9 @@ def make_layer(rng, rank, d_in, d_out, scale=0.7, bias=False):
 
 @pytest.fixture(params=["rowloop", "gemm"])
 def path(request):
-    old = _kernels.set_gemm_crossover(10**9 if request.param == "rowloop" else 1)
+    old = _segments.set_gemm_crossover(10**9 if request.param == "rowloop" else 1)
     yield request.param
-    _kernels.set_gemm_crossover(old)
+    _segments.set_gemm_crossover(old)
 
 
 _SHAPES = [
@@ -222,7 +222,7 @@ def test_gil_is_released_during_a_long_call():
         finally:
             done.set()
 
-    old = _kernels.set_gemm_crossover(10**9)  # the row loop: one long GIL-free call
+    old = _segments.set_gemm_crossover(10**9)  # the row loop: one long GIL-free call
     try:
         with threadpoolctl.threadpool_limits(1, user_api="blas"):
             worker = threading.Thread(target=call)
@@ -233,7 +233,7 @@ def test_gil_is_released_during_a_long_call():
                 time.sleep(0.001)
             worker.join()
     finally:
-        _kernels.set_gemm_crossover(old)
+        _segments.set_gemm_crossover(old)
     # the call must have taken a while, and this thread ran throughout it
     assert len(ticks) >= 20, f"main thread ticked only {len(ticks)} times during the call"
     gaps = np.diff(ticks)

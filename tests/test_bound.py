@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lorahook import (BertConfig, LoraAdapter, LoraHook, LoraLayer, LoraValidationError,
-                      apply_lora_rows, _kernels)
+                      apply_lora_rows, _segments)
 from lorahook import AdapterSet, BoundBatch
 
 D_IN, D_OUT = 24, 40
@@ -18,11 +18,11 @@ D_IN, D_OUT = 24, 40
 @pytest.fixture(params=["row_loop", "batched"])
 def kernel_path(request):
     """Run a test once with the sgemv row loop and once with the sgemm path."""
-    old = _kernels.set_gemm_crossover(10**9 if request.param == "row_loop" else 1)
+    old = _segments.set_gemm_crossover(10**9 if request.param == "row_loop" else 1)
     try:
         yield request.param
     finally:
-        _kernels.set_gemm_crossover(old)
+        _segments.set_gemm_crossover(old)
 
 
 def make_layer(rng, rank, d_in=D_IN, d_out=D_OUT, scale=1.0, bias=False):

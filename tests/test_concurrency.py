@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lorahook import AdapterSet, LoraAdapter, LoraLayer, apply_lora_rows
-from lorahook import _kernels
+from lorahook import _segments
 
 KEY = (1, "o_proj")
 D_IN, D_OUT, RANK = 48, 40, 8
@@ -58,14 +58,14 @@ def which_version(got, base, refs):
 
 @pytest.fixture(autouse=True)
 def _restore_crossover():
-    old = _kernels.get_gemm_crossover()
+    old = _segments.get_gemm_crossover()
     yield
-    _kernels.set_gemm_crossover(old)
+    _segments.set_gemm_crossover(old)
 
 
 @pytest.mark.parametrize("path", ["row_loop", "batched"])
 def test_apply_while_swapping(path):
-    _kernels.set_gemm_crossover(2**30 if path == "row_loop" else 1)
+    _segments.set_gemm_crossover(2**30 if path == "row_loop" else 1)
     rng = np.random.default_rng(0)
     versions = {name: [make_adapter(100 * k + v) for v in range(VERSIONS)]
                 for k, name in enumerate(["a", "b", "c"])}
@@ -165,7 +165,7 @@ def test_apply_while_swapping(path):
 
 @pytest.mark.parametrize("path", ["row_loop", "batched"])
 def test_rss_flat_over_many_calls(path):
-    _kernels.set_gemm_crossover(2**30 if path == "row_loop" else 1)
+    _segments.set_gemm_crossover(2**30 if path == "row_loop" else 1)
     rng = np.random.default_rng(1)
     ad = make_adapter(7)
     aset = AdapterSet()
@@ -196,7 +196,7 @@ def test_rss_flat_over_many_calls(path):
 
 def test_scratch_of_exited_threads_is_freed():
     """Each thread gets a multi-megabyte scratch buffer; threads that exit must give it back."""
-    _kernels.set_gemm_crossover(1)
+    _segments.set_gemm_crossover(1)
     d_in, d_out, rank, n = 256, 256, 64, 1500
     ad = make_adapter(9, d_in, d_out, rank)
     aset = AdapterSet()

@@ -8,7 +8,7 @@ numpy.
 import numpy as np
 import pytest
 
-from lorahook import AdapterSet, LoraAdapter, LoraLayer, _rows, apply_lora_rows
+from lorahook import AdapterSet, LoraAdapter, LoraLayer, _sources, apply_lora_rows
 
 
 def _layer(rng, d_in, d_out, rank=4, scale=0.5):
@@ -37,8 +37,8 @@ def test_a_subclass_is_active_is_honoured(rows):
     rng = np.random.default_rng(rows)
     l0, l1 = _layer(rng, 16, 24), _layer(rng, 16, 24)
     hook = OnlyLayerZero({(0, "q_proj"): l0, (1, "q_proj"): l1})
-    assert OnlyLayerZero._core_dispatch == _rows.DISPATCH_ASK_HOOK
-    assert LoraAdapter._core_dispatch == _rows.DISPATCH_KERNELS
+    assert OnlyLayerZero._core_dispatch == _sources.DISPATCH_ASK_HOOK
+    assert LoraAdapter._core_dispatch == _sources.DISPATCH_KERNELS
     x = rng.standard_normal((rows, 16)).astype(np.float32)
     y0 = rng.standard_normal((rows, 24)).astype(np.float32)
     y = y0.copy()

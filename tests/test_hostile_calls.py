@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lorahook import LoraAdapter, LoraHook, LoraLayer, NoopLoraHook, apply_lora_rows
-from lorahook import _kernels, _testing
+from lorahook import _kernels, _segments, _testing
 
 D_IN, D_OUT, RANK, N = 6, 5, 3, 4
 KEY = (2, "v_proj")
@@ -547,10 +547,10 @@ def test_apply_groups_wrong_layer_shape():
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, True, "8", None, 2**40])
 def test_set_gemm_crossover_refuses(value):
-    old = _kernels.get_gemm_crossover()
+    old = _segments.get_gemm_crossover()
     with pytest.raises((TypeError, ValueError)):
-        _kernels.set_gemm_crossover(value)
-    assert _kernels.get_gemm_crossover() == old
+        _segments.set_gemm_crossover(value)
+    assert _segments.get_gemm_crossover() == old
 
 
 def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
@@ -559,7 +559,7 @@ def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
     code = textwrap.dedent("""
         import gc
         import numpy as np
-        from lorahook import _kernels, _testing
+        from lorahook import _kernels, _segments, _testing
         x = np.ones((4, 8), np.float32)
         k = _kernels.LayerKernel(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 1.0)
         rows = np.array([0, 1], np.int32)
@@ -572,7 +572,7 @@ def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
                 gc.collect()
                 return 1.0
 
-        _kernels.set_gemm_crossover(1)
+        _segments.set_gemm_crossover(1)
         for layer in (k, _kernels.LayerKernel(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 1.0)):
             y = np.zeros((4, 8), np.float32)
             groups[:] = [(layer, 1.0, rows, None), (layer, Rewrite(), None, None)]

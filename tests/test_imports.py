@@ -148,10 +148,15 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_the_compiled_core_is_layered():
     g = graph()
-    core = {"lorahook._checks", "lorahook._halfconv", "lorahook._kernels", "lorahook._rows"}
-    # edges that must be there, so that an unread .pyx cannot pass
-    assert {"lorahook._checks", "lorahook._kernels"} <= g["lorahook._rows"]
-    assert {"lorahook._checks", "lorahook._halfconv"} <= g["lorahook._kernels"]
+    core = {"lorahook._checks", "lorahook._halfconv", "lorahook._segments", "lorahook._kernels",
+            "lorahook._sources", "lorahook._rows", "lorahook._slot_rows", "lorahook._slot_pairs"}
+    # edges that must be there, so that an unread .pyx cannot pass: hooks reach kernel
+    # sources, sources reach layer kernels, layer kernels the segment kernels
+    assert {"lorahook._checks", "lorahook._sources"} <= g["lorahook._rows"]
+    assert "lorahook._kernels" in g["lorahook._sources"]
+    assert {"lorahook._checks", "lorahook._segments"} <= g["lorahook._kernels"]
+    assert {"lorahook._checks", "lorahook._halfconv"} <= g["lorahook._segments"]
+    assert "lorahook._slot_rows" in g["lorahook._slot_pairs"]
     assert "lorahook._halfconv" in g["lorahook._load"]
     for name in core:
         # the core knows kernels and buffers: not files, not test entry points

@@ -1,4 +1,4 @@
-"""lorahook._stacked.apply_pairs: stacked LoRA pairs in the rows' dtype, on one thread or a team.
+"""lorahook._slot_pairs.apply_pairs: stacked LoRA pairs in the rows' dtype, on one thread or a team.
 
 Against numpy in float64, in every dtype and every build of the kernel this
 CPU runs; bit-identical at one, two and three threads and from run to run;
@@ -14,8 +14,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lorahook._stacked import (SlotPairs, SlotRows, apply_pairs, openmp_team, pairs_build,
-                               pairs_builds)
+from lorahook._slot_rows import SlotRows
+from lorahook._slot_pairs import SlotPairs, apply_pairs, openmp_team, pairs_build, pairs_builds
 
 RNG = np.random.default_rng(20261205)
 KINDS = [None, "float16", "bfloat16"]
@@ -223,7 +223,8 @@ def test_no_thread_and_no_runtime_unless_asked(tmp_path):
         import scipy.linalg.cython_blas
         before = threads()
         import lorahook
-        from lorahook._stacked import SlotPairs, SlotRows, apply_pairs, openmp_team
+        from lorahook._slot_rows import SlotRows
+        from lorahook._slot_pairs import SlotPairs, apply_pairs, openmp_team
         p = SlotPairs([np.ones((2, 3, 8), np.float32)], [np.ones((2, 3, 4), np.float32)],
                       [np.full(2, 3, np.int32)])
         y = np.zeros((4, 4), np.float32)
@@ -246,7 +247,7 @@ def test_no_thread_and_no_runtime_unless_asked(tmp_path):
 def test_tensors_are_read_in_place_as_arrays_are(half, add):
     """apply_pairs_tensors on torch tensors: apply_pairs' bits, float64's values, in place."""
     torch = pytest.importorskip("torch")
-    from lorahook._stacked import apply_pairs_tensors
+    from lorahook._slot_pairs import apply_pairs_tensors
     dtype = {None: torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[half]
     outs = [33, 16, 5]
     pairs, ref, slots, x, x64, y, y64 = _problem(half, 9, 37, outs)
@@ -268,7 +269,7 @@ def test_tensors_are_read_in_place_as_arrays_are(half, add):
 
 def test_tensors_of_another_layout_are_left_to_the_caller():
     torch = pytest.importorskip("torch")
-    from lorahook._stacked import apply_pairs_tensors
+    from lorahook._slot_pairs import apply_pairs_tensors
     pairs = SlotPairs([np.ones((2, 3, 8), np.float32)], [np.ones((2, 3, 6), np.float32)],
                       [np.full(2, 3, np.int32)])
     g = SlotRows(np.array([0, 1, -1, 0]), 2)

@@ -15,7 +15,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from lorahook import AdapterSet, LoraAdapter, LoraHook, LoraLayer, apply_lora_rows
-from lorahook import _kernels, _testing
+from lorahook import _segments, _testing
 
 MODULE = "q_proj"
 LAYER = 3
@@ -28,14 +28,14 @@ SENTINEL = np.uint32(0x7FC0DEAD)  # a quiet NaN with a payload nothing computes
 
 @contextlib.contextmanager
 def crossover(n):
-    old = _kernels.set_gemm_crossover(n)
+    old = _segments.set_gemm_crossover(n)
     try:
         yield
     finally:
-        _kernels.set_gemm_crossover(old)
+        _segments.set_gemm_crossover(old)
 
 
-CROSSOVER_AT_IMPORT = _kernels.get_gemm_crossover()
+CROSSOVER_AT_IMPORT = _segments.get_gemm_crossover()
 PATHS = {"default": None, "row_loop": 2**30, "batched": 1}
 
 
@@ -418,4 +418,4 @@ def test_batches_larger_than_one_scratch_chunk(grouped):
 
 def test_crossover_restored():
     """The tests above leave the crossover as this module found it."""
-    assert _kernels.get_gemm_crossover() == CROSSOVER_AT_IMPORT
+    assert _segments.get_gemm_crossover() == CROSSOVER_AT_IMPORT

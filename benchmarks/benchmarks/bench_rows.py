@@ -226,7 +226,9 @@ class HalfPrecision:
 
     def setup(self, rows_shape, dtype):
         from lorahook import _halfconv, _rows
-        if not hasattr(_rows, "_apply_lora_bits"):
+        # the bfloat16 entry point without ml_dtypes (named _apply_lora_bits before 0.3)
+        apply_bits = getattr(_rows, "apply_lora_bits", getattr(_rows, "_apply_lora_bits", None))
+        if apply_bits is None:
             raise NotImplementedError
         _configure()
         n, d_in, d_out = rows_shape
@@ -236,7 +238,7 @@ class HalfPrecision:
         y = np.zeros((n, d_out), np.float32)
         if dtype == "bfloat16":
             xb, yb = _halfconv.narrow(x, "bfloat16"), _halfconv.narrow(y, "bfloat16")
-            self.call = lambda: _rows._apply_lora_bits(hook, 0, "q_proj", xb, yb, d_in, d_out, True)
+            self.call = lambda: apply_bits(hook, 0, "q_proj", xb, yb, d_in, d_out, True)
         elif dtype == "float16":
             xh, yh = x.astype(np.float16), y.astype(np.float16)
             self.call = lambda: apply_lora_rows(hook, 0, "q_proj", xh, yh, d_in, d_out)

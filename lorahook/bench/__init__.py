@@ -48,7 +48,7 @@ faster path for longer than one might guess: the time ratio sgemm/sgemv was
 1.9-2.1 at 8 rows, 1.3-1.7 at 16, 0.8-1.7 at 32 (below 1 only at rank 64) and
 0.7-1.2 at 48-96 rows.  The default crossover is 32 rows, where the two paths
 are within about 15% of each other at ranks 8-64;
-:func:`lorahook._kernels.set_gemm_crossover` changes it.
+:func:`lorahook._segments.set_gemm_crossover` changes it.
 """
 import argparse
 import os

@@ -112,11 +112,11 @@ def _half(timer, rng, n, d_in, d_out, rank, rounds=1):
     """One adapter on float32, bfloat16 and float16 rows, and a bfloat16 adapter, in rounds.
 
     bfloat16 rows go in as uint16 bit patterns through the entry lorahook.torch
-    uses (``_rows._apply_lora_bits``), so that the benchmark needs no ml_dtypes.
+    uses (``_rows.apply_lora_bits``), so that the benchmark needs no ml_dtypes.
     """
     from .. import LoraAdapter, apply_lora_rows
     from .._halfconv import narrow as _half_narrow
-    from .._rows import _apply_lora_bits
+    from .._rows import apply_lora_bits
     layer = _layer(rng, d_in, d_out, rank)
     hook = LoraAdapter({(0, "q_proj"): layer})
     X = rng.standard_normal((n, d_in)).astype(np.float32)
@@ -125,7 +125,7 @@ def _half(timer, rng, n, d_in, d_out, rank, rounds=1):
     Xb, Yb = _half_narrow(X, "bfloat16"), _half_narrow(Y, "bfloat16")
     contenders = {
         "float32": lambda: apply_lora_rows(hook, 0, "q_proj", X, Y, d_in, d_out),
-        "bfloat16": lambda: _apply_lora_bits(hook, 0, "q_proj", Xb, Yb, d_in, d_out, True),
+        "bfloat16": lambda: apply_lora_bits(hook, 0, "q_proj", Xb, Yb, d_in, d_out, True),
         "float16": lambda: apply_lora_rows(hook, 0, "q_proj", Xh, Yh, d_in, d_out),
     }
     half_adapter = hook.astype(np.float16)  # 16-bit weights, widened on each call

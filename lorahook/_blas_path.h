@@ -1,20 +1,14 @@
-/* The kernels' C helpers: per-thread scratch memory (_scratch.h), which BLAS
- * file runs, and DoRA's affine step.
+/* Which BLAS file the kernels run:
  *
- *   void   lorahook_find_blas(void *blas_caller);  fills lorahook_blas_path
+ *   void lorahook_find_blas(void *blas_caller);  fills lorahook_blas_path
  *
- * Static, touching no Python object: callable without the GIL.  Included by
- * lorahook/_kernels.pyx only.
+ * Touching no Python object.  Included by lorahook/_segments.pyx only.
  */
-#ifndef LORAHOOK_KERNELS_H
-#define LORAHOOK_KERNELS_H
+#ifndef LORAHOOK_BLAS_PATH_H
+#define LORAHOOK_BLAS_PATH_H
 
-#include <pthread.h>
-#include <stdlib.h>
 #include <string.h>
 #include <dlfcn.h>
-
-#include "_scratch.h"
 
 /* The file of the BLAS library the kernels call ("" when unknown): the
    dynamic loader says which file holds a function of the module that
@@ -45,12 +39,4 @@ static void lorahook_find_blas(void *blas_caller) {
     dlclose(handle);  /* RTLD_NOLOAD took a reference; give it back */
 }
 
-/* DoRA's step before the delta, y = m * y + c, over n values: the arrays
-   never overlap (restrict), so the compiler vectorizes the loop. */
-static void lorahook_affine(float *restrict y, const float *restrict m,
-                            const float *restrict c, size_t n) {
-    size_t i;
-    for (i = 0; i < n; i++) y[i] = m[i] * y[i] + c[i];
-}
-
-#endif /* LORAHOOK_KERNELS_H */
+#endif /* LORAHOOK_BLAS_PATH_H */

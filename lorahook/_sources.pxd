@@ -1,6 +1,13 @@
 # cython: language_level=3
-# The interface between hooks and the kernels (see _rows.pyx).
+# Kernel sources (see _sources.pyx): what lorahook._rows runs a hook's
+# layers through.
 cimport numpy as cnp
+
+# How apply_lora_rows treats a kernel table (KernelSource._dispatch).
+cdef enum:
+    _KERNELS = 0
+    _ASK_HOOK = 1
+    _PER_ROW = 2
 
 
 cdef class KernelSource:

@@ -1,449 +1,37 @@
 # cython: language_level=3
-"""LoRA over stacked slot weights: the layout serving engines keep their adapters in.
+"""A projection's LoRA pairs in slots, in the rows' own dtype, on an OpenMP team.
 
-An engine that serves many adapters at once keeps, for every projection, one
-tensor per factor holding every adapter slot: ``A`` stacked as
-``(slots, rank, d_in)`` and ``B`` as ``(slots, d_out, rank)`` (both the PEFT
-layout of one adapter, row-major, one after the other), and tells which slot
-each row of a step uses.  This module runs lorahook's kernels on those
-tensors as they are, with no copy of any weight per row:
-
-* :class:`SlotRows` is the grouping of one step's rows by slot, computed once
-  per step (a counting sort of the rows; a row of slot ``-1`` has no adapter);
-* :func:`apply_slots` adds, for every row ``r`` of slot ``s``,
-  ``scale * B[s] @ (A[s] @ x[r])`` to ``y[r]`` -- or, with one factor only,
-  ``scale * A[s] @ x[r]`` (the shrink of a split product) or
-  ``scale * B[s] @ x[r]`` (its expand) -- per slot, as two matrix products
-  over that slot's rows;
-* :func:`apply_pairs` does the same for a projection's pairs in the rows' own
-  dtype, on an OpenMP team (:class:`SlotPairs`, :func:`openmp_team`), and
-  :func:`apply_pairs_tensors` on PyTorch tensors read where they lie.
-
-Rows with no slot are never read or written.  Rows, ``x`` and ``y``, may be
-views with a row stride (a slice of columns of a wider output); weights must
-be C-contiguous.  Any of them may hold float32, or float16 / bfloat16 as
-16-bit patterns (uint16 arrays, read as ``half``); every product runs in
-float32 and a 16-bit output row is rounded once, to nearest even.  The
-checks run with the GIL, before anything is written; the kernel runs with
-the GIL released, on the calling thread.  This module knows rows, slots and
-factors, never an engine.
+For the rows of one step grouped by slot (:class:`~lorahook._slot_rows.SlotRows`),
+:func:`apply_pairs` adds every slice's ``scale * B[s] @ (A[s] @ x[r])`` to its
+columns of ``y[r]`` with the pairs kernel of ``_pairs.h``: values read and
+written in the rows' dtype (float32, float16 or bfloat16), products in
+float32, each output element rounded once, the rows shared by a team of an
+OpenMP runtime's threads (:func:`openmp_team`) or run on the calling thread.
+:func:`apply_pairs_tensors` does the same on PyTorch tensors read where they
+lie.  :class:`SlotPairs` holds the pairs: an engine's stacked slots, or slots
+that refer to each adapter's own arrays at its own rank.  The kernel is built
+once per instruction set (:func:`pairs_builds`); the GIL is released while it
+runs.  This module knows rows, slots and factors, never an engine.
 """
 cimport cython
 cimport numpy as cnp
 from libc.limits cimport INT_MAX
-from libc.stdint cimport uint16_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memcpy
 
-from lorahook cimport _blas
 from lorahook._checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, check_type, refuse_overlap
-from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, active_path
-from lorahook._halfconv cimport narrow_on, widen_on
+from lorahook._lora_gemm cimport LH_SCRATCH_PRODUCTS, lorahook_scratch_slot
+from lorahook._slot_rows cimport SlotRows, half_bits, rows_kind, weights_kind
 
 import numpy as np
 
 cnp.import_array()
 
-cdef extern from "_scratch.h" nogil:
-    float *lorahook_scratch_slot(size_t n, int slot, int *owned) noexcept
-    size_t LORAHOOK_SCRATCH_CACHE_FLOATS
-
-# Per-thread scratch areas of this module (see _scratch.h).
+# The most threads a team may ask for.
 cdef enum:
-    _SCRATCH_ROWS = 0      # gathered / widened rows and the products' results
-    _SCRATCH_WEIGHTS = 1   # one slot's 16-bit factors widened to float32
-    _SCRATCH_PAIRS = 2     # apply_pairs' first products (t), on the calling thread
-
-
-@cython.final
-@cython.auto_pickle(False)
-cdef class SlotRows:
-    """The rows of one step grouped by adapter slot, made once and never changed.
-
-    ``SlotRows(slots, n_slots)``: ``slots`` is a 1-D integer array (any
-    integer dtype) with one entry per row, a slot in ``[0, n_slots)`` or
-    ``-1`` for a row without an adapter.  Any other value is a
-    ``ValueError`` naming the row.  The rows of each slot are kept in
-    ascending order.  A ``SlotRows`` may be used from several threads.
-    """
-    cdef readonly Py_ssize_t n_rows
-    cdef readonly Py_ssize_t n_slots
-    cdef readonly Py_ssize_t n_covered   # rows that have a slot
-    cdef readonly Py_ssize_t max_slot    # the highest slot with rows, -1 when none
-    cdef object _order_obj
-    cdef object _starts_obj
-    cdef const int *_order               # rows by slot: slot s holds order[starts[s]:starts[s+1]]
-    cdef const Py_ssize_t *_starts
-
-    def __cinit__(self, slots, Py_ssize_t n_slots):
-        if n_slots < 0 or n_slots > INT_MAX:
-            raise ValueError(f"n_slots must be in [0, {INT_MAX}], got {n_slots}")
-        arr = np.asarray(slots)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise TypeError(f"slots must be a 1-D integer array, got {arr.ndim}-D {arr.dtype}")
-        if arr.shape[0] > INT_MAX:
-            raise ValueError(f"slots must have at most {INT_MAX} rows, got {arr.shape[0]}")
-        cdef cnp.ndarray[cnp.int64_t, ndim=1] s = np.array(arr, dtype=np.int64, copy=True)
-        cdef Py_ssize_t n = s.shape[0], i, v
-        cdef cnp.ndarray[cnp.intp_t, ndim=1] starts = np.zeros(n_slots + 1, dtype=np.intp)
-        cdef cnp.ndarray[cnp.int32_t, ndim=1] order
-        self.max_slot = -1
-        for i in range(n):
-            v = s[i]
-            if v < -1 or v >= n_slots:
-                raise ValueError(f"slots[{i}] must be -1 (no adapter) or a slot in "
-                                 f"[0, {n_slots}), got {v}")
-            if v >= 0:
-                starts[v + 1] += 1
-                if v > self.max_slot:
-                    self.max_slot = v
-        for i in range(n_slots):
-            starts[i + 1] += starts[i]
-        self.n_covered = starts[n_slots]
-        order = np.empty(max(self.n_covered, 1), dtype=np.int32)
-        cdef cnp.ndarray[cnp.intp_t, ndim=1] fill = starts[:n_slots].copy() if n_slots else starts
-        for i in range(n):  # a stable counting sort: each slot's rows stay ascending
-            v = s[i]
-            if v >= 0:
-                order[fill[v]] = <int>i
-                fill[v] += 1
-        self.n_rows = n
-        self.n_slots = n_slots
-        self._order_obj = order
-        self._starts_obj = starts
-        self._order = <const int *>cnp.PyArray_DATA(order)
-        self._starts = <const Py_ssize_t *>cnp.PyArray_DATA(starts)
-
-    def __reduce__(self):
-        raise TypeError("SlotRows belongs to one step of one process and does not pickle")
-
-    def rows(self, Py_ssize_t slot):
-        """The rows of ``slot``, ascending (an int32 array, a copy)."""
-        if slot < 0 or slot >= self.n_slots:
-            raise ValueError(f"slot must be in [0, {self.n_slots}), got {slot}")
-        return np.array(self._order_obj[self._starts[slot]:self._starts[slot + 1]], copy=True)
-
-    def counts(self):
-        """The number of rows of each slot (an int64 array of ``n_slots`` values)."""
-        return np.diff(self._starts_obj).astype(np.int64)
-
-    def __repr__(self):
-        return (f"SlotRows(n_rows={self.n_rows}, n_slots={self.n_slots}, "
-                f"covered={self.n_covered})")
-
-
-# ---------------------------------------------------------------------------
-# checks (with the GIL)
-# ---------------------------------------------------------------------------
-
-cdef int _half_kind(object half) except -2:
-    """The 16-bit kind uint16 arrays are read as: ``ROWS_F16``, ``ROWS_BF16`` or -1 (none)."""
-    if half is None:
-        return -1
-    if half == "float16":
-        return ROWS_F16
-    if half == "bfloat16":
-        return ROWS_BF16
-    raise ValueError(f"half must be None, 'float16' or 'bfloat16', got {half!r}")
-
-
-cdef int _rows_kind(object arr, str name, int bits, bint writable, Py_ssize_t n,
-                    Py_ssize_t *width, Py_ssize_t *ld) except -1:
-    """A 2-D rows buffer of ``n`` rows with unit column stride; its kind, width and row stride."""
-    cdef int kind = check_type(arr, name, bits)
-    cdef cnp.ndarray a = <cnp.ndarray>arr
-    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(a)
-    if cnp.PyArray_NDIM(a) != 2:
-        raise ValueError(f"{name} must be 2-D (rows, width), got shape {(<object>a).shape}")
-    if writable and not cnp.PyArray_ISWRITEABLE(a):
-        raise ValueError(f"{name} must be writable, got a read-only array")
-    cdef Py_ssize_t rows = cnp.PyArray_DIM(a, 0), w = cnp.PyArray_DIM(a, 1)
-    cdef Py_ssize_t s0 = cnp.PyArray_STRIDE(a, 0), s1 = cnp.PyArray_STRIDE(a, 1)
-    if rows != n:
-        raise ValueError(f"{name} must have {n} rows (the SlotRows' n_rows), got shape "
-                         f"{(<object>a).shape}")
-    if w < 1 or w > INT_MAX:
-        raise ValueError(f"{name} must have a width in [1, {INT_MAX}], got shape {(<object>a).shape}")
-    if (w > 1 and s1 != item) or (rows > 1 and (s0 % item != 0 or s0 < w * item)):
-        raise ValueError(f"{name} must have contiguous rows (column stride {item} bytes, row "
-                         f"stride a multiple of it and at least the row), got strides "
-                         f"{(<object>a).strides} for shape {(<object>a).shape}")
-    width[0] = w
-    ld[0] = s0 // item if rows > 1 else w
-    return kind
-
-
-cdef int _weights_kind(object arr, str name, int bits) except -1:
-    """A C-contiguous 3-D stack of factors; its kind."""
-    cdef int kind = check_type(arr, name, bits)
-    cdef cnp.ndarray a = <cnp.ndarray>arr
-    if cnp.PyArray_NDIM(a) != 3 or not cnp.PyArray_IS_C_CONTIGUOUS(a):
-        raise ValueError(f"{name} must be a C-contiguous 3-D array (slots, rows, columns), got "
-                         f"shape {(<object>a).shape} with strides {(<object>a).strides}")
-    if cnp.PyArray_DIM(a, 1) > INT_MAX or cnp.PyArray_DIM(a, 2) > INT_MAX:
-        raise ValueError(f"{name} must have dimensions of at most {INT_MAX}, got shape "
-                         f"{(<object>a).shape}")
-    return kind
-
-
-# ---------------------------------------------------------------------------
-# the kernel (no Python objects, no GIL)
-# ---------------------------------------------------------------------------
-
-cdef struct _Call:
-    const int *order
-    const Py_ssize_t *starts
-    Py_ssize_t n_slots
-    const char *X
-    Py_ssize_t ldx
-    int xk              # ROWS_* kind of x
-    char *Y
-    Py_ssize_t ldy
-    int yk
-    const char *A       # (slots, rank, d_in) or NULL
-    const char *B       # (slots, d_out, rank) or NULL
-    int ak
-    int bk
-    bint b_t            # B is given transposed: (slots, rank, d_out)
-    int rank
-    int d_in
-    int d_out
-    float scale
-    bint add
-
-
-cdef inline int _hk(int kind) noexcept nogil:
-    return LORAHOOK_HALF_F16 if kind == ROWS_F16 else LORAHOOK_HALF_BF16
-
-
-cdef inline const float *_factor(const char *base, int kind, Py_ssize_t s, Py_ssize_t size,
-                                 float *dst, int hp) noexcept nogil:
-    """Slot ``s`` of a stack of ``size``-value factors, as float32 (widened into ``dst``)."""
-    if kind == ROWS_F32:
-        return <const float *>base + s * size
-    widen_on(hp, <const uint16_t *>base + s * size, dst, <size_t>size, _hk(kind))
-    return dst
-
-
-cdef int _run(const _Call *c, int hp) noexcept nogil:
-    """Every slot's rows, chunk by chunk; -1 without scratch memory."""
-    cdef Py_ssize_t s, k, m, j, r, r0
-    cdef Py_ssize_t a_size = <Py_ssize_t>c.rank * c.d_in if c.A != NULL else 0
-    cdef Py_ssize_t b_size = <Py_ssize_t>c.d_out * c.rank if c.B != NULL else 0
-    cdef Py_ssize_t w_floats = (a_size if c.ak != ROWS_F32 else 0) + \
-        (b_size if c.bk != ROWS_F32 else 0)
-    cdef int q, owned_w = 0, owned = 0, lx, lt, lw, kw, lo
-    cdef float alpha
-    cdef const int *rows
-    cdef const float *Wa = NULL
-    cdef const float *Wb = NULL
-    cdef const float *Wl = NULL  # the last product's factor: B (or A alone)
-    cdef bint tw
-    cdef const float *xp
-    cdef const float *tp
-    cdef float *W = NULL
-    cdef float *yr
-    cdef float *out
-    cdef float beta
-    cdef bint consecutive, direct
-    # per chunk of rows: G (gathered input), T (the product with A), D (the output rows), R (one row)
-    cdef Py_ssize_t t_cols = c.rank if (c.A != NULL and c.B != NULL) else 0
-    cdef Py_ssize_t per_row = <Py_ssize_t>c.d_in + t_cols + c.d_out
-    cdef Py_ssize_t chunk = <Py_ssize_t>LORAHOOK_SCRATCH_CACHE_FLOATS // per_row
-    if chunk > 256:
-        chunk = 256
-    if chunk < 1:
-        chunk = 1
-    if w_floats:
-        W = lorahook_scratch_slot(<size_t>w_floats, _SCRATCH_WEIGHTS, &owned_w)
-        if W == NULL:
-            return -1
-    cdef float *G = lorahook_scratch_slot(<size_t>(chunk * per_row + c.d_out), _SCRATCH_ROWS,
-                                          &owned)
-    if G == NULL:
-        if owned_w:
-            free(W)
-        return -1
-    cdef float *T = G + chunk * c.d_in
-    cdef float *D = T + chunk * t_cols
-    cdef float *R = D + chunk * c.d_out
-    cdef int hx = _hk(c.xk), hy = _hk(c.yk)
-
-    for s in range(c.n_slots):
-        m = c.starts[s + 1] - c.starts[s]
-        if m == 0:
-            continue
-        if c.A != NULL:
-            Wa = _factor(c.A, c.ak, s, a_size, W, hp)
-        if c.B != NULL:
-            Wb = _factor(c.B, c.bk, s, b_size,
-                         W + (a_size if c.ak != ROWS_F32 else 0), hp)
-            Wl, tw, kw, lw = Wb, not c.b_t, c.rank, (c.d_out if c.b_t else c.rank)
-        else:
-            Wl, tw, kw, lw = Wa, True, c.d_in, c.d_in
-        k = 0
-        while k < m:
-            q = <int>(chunk if m - k > chunk else m - k)
-            rows = c.order + c.starts[s] + k
-            consecutive = rows[q - 1] - rows[0] == q - 1
-            r0 = rows[0]
-            # the input rows, as float32 with row stride lx
-            if c.xk == ROWS_F32 and consecutive:
-                xp = <const float *>c.X + r0 * c.ldx
-                lx = <int>c.ldx
-            else:
-                for j in range(q):
-                    r = rows[j]
-                    if c.xk == ROWS_F32:
-                        memcpy(G + j * c.d_in, <const float *>c.X + r * c.ldx,
-                               c.d_in * sizeof(float))
-                    else:
-                        widen_on(hp, <const uint16_t *>c.X + r * c.ldx, G + j * c.d_in,
-                                 <size_t>c.d_in, hx)
-                xp = G
-                lx = c.d_in
-            # the first product: T = scale X A^T, or the input itself
-            if c.A != NULL and c.B != NULL:
-                _blas.gemm(False, True, q, c.rank, c.d_in, c.scale, xp, lx, Wa, c.d_in, 0.0,
-                           T, c.rank)
-                tp = T
-                lt = c.rank
-                alpha = 1.0
-            else:
-                tp = xp
-                lt = lx
-                alpha = c.scale
-            # the last product, straight into float32 output rows that follow each
-            # other, else into D to be scattered
-            direct = c.yk == ROWS_F32 and consecutive
-            if direct:
-                out, lo, beta = <float *>c.Y + r0 * c.ldy, <int>c.ldy, (1.0 if c.add else 0.0)
-            else:
-                out, lo, beta = D, c.d_out, 0.0
-            _blas.gemm(False, tw, q, c.d_out, kw, alpha, tp, lt, Wl, lw, beta, out, lo)
-            if direct:
-                k += q
-                continue
-            for j in range(q):
-                r = rows[j]
-                if c.yk == ROWS_F32:
-                    yr = <float *>c.Y + r * c.ldy
-                    if c.add:
-                        _blas.axpy(c.d_out, 1.0, D + j * c.d_out, yr)
-                    else:
-                        memcpy(yr, D + j * c.d_out, c.d_out * sizeof(float))
-                elif c.add:  # widened, added in float32, rounded once
-                    widen_on(hp, <const uint16_t *>c.Y + r * c.ldy, R, <size_t>c.d_out, hy)
-                    _blas.axpy(c.d_out, 1.0, D + j * c.d_out, R)
-                    narrow_on(hp, R, <uint16_t *>c.Y + r * c.ldy, <size_t>c.d_out, hy)
-                else:
-                    narrow_on(hp, D + j * c.d_out, <uint16_t *>c.Y + r * c.ldy,
-                              <size_t>c.d_out, hy)
-            k += q
-    if owned:
-        free(G)
-    if owned_w:
-        free(W)
-    return 0
-
-
-def apply_slots(SlotRows groups not None, x, y, a=None, b=None, scale=1.0, *, bint add=True,
-                half=None, bt=None):
-    """Add each row's slot delta to ``y`` in place; rows without a slot are left alone.
-
-    ``x`` is ``(n, d_in)`` and ``y`` ``(n, d_out)``, ``n`` the groups'
-    ``n_rows``, each with contiguous rows (any row stride).  ``a`` is
-    ``(slots, rank, d_in)``, ``b`` ``(slots, d_out, rank)``, C-contiguous, with
-    more slots than the highest slot that has rows.  With both factors each
-    row ``r`` of slot ``s`` gets ``scale * b[s] @ (a[s] @ x[r])``; with ``a``
-    alone (then ``d_out`` is its rank) ``scale * a[s] @ x[r]``; with ``b``
-    alone (``d_in`` is its rank) ``scale * b[s] @ x[r]``.  ``add=False``
-    writes the delta instead of adding it (still only the rows with a slot).
-    ``bt`` in place of ``b`` gives ``B`` transposed, ``(slots, rank, d_out)``:
-    the same result, faster where a slot has few rows (OpenBLAS multiplies a
-    few rows by a transposed ``(d_out, rank)`` operand several times slower).
-
-    Arrays are float32, float16, or uint16 read as the 16-bit patterns of
-    ``half`` (``"float16"`` or ``"bfloat16"``); they need not share a dtype.
-    ``TypeError`` for a wrong type or dtype, ``ValueError`` for shapes,
-    strides, slots and overlapping ``x`` and ``y``, each raised before
-    anything is written.
-    """
-    cdef int bits = _half_kind(half)
-    cdef _Call c
-    cdef Py_ssize_t d_in, d_out, rank = 0
-    if bt is not None and b is not None:
-        raise ValueError("give b or bt, not both")
-    c.b_t = bt is not None
-    if c.b_t:
-        b = bt
-    if a is None and b is None:
-        raise ValueError("apply_slots needs a, b or both")
-    c.xk = _rows_kind(x, "x", bits, False, groups.n_rows, &d_in, &c.ldx)
-    c.yk = _rows_kind(y, "y", bits, True, groups.n_rows, &d_out, &c.ldy)
-    c.A = NULL
-    c.B = NULL
-    c.ak = c.bk = ROWS_F32
-    if a is not None:
-        c.ak = _weights_kind(a, "a", bits)
-        if cnp.PyArray_DIM(<cnp.ndarray>a, 2) != d_in:
-            raise ValueError(f"a of shape {a.shape} must have shape[2] == d_in = {d_in} (x's width)")
-        rank = cnp.PyArray_DIM(<cnp.ndarray>a, 1)
-        if b is None and rank != d_out:
-            raise ValueError(f"a of shape {a.shape} alone must have shape[1] == d_out = {d_out} "
-                             f"(y's width)")
-    cdef str bn = "bt" if c.b_t else "b"
-    cdef int out_axis = 2 if c.b_t else 1
-    cdef int rank_axis = 1 if c.b_t else 2
-    if b is not None:
-        c.bk = _weights_kind(b, bn, bits)
-        if cnp.PyArray_DIM(<cnp.ndarray>b, out_axis) != d_out:
-            raise ValueError(f"{bn} of shape {b.shape} must have shape[{out_axis}] == d_out = "
-                             f"{d_out} (y's width)")
-        if a is None:
-            rank = cnp.PyArray_DIM(<cnp.ndarray>b, rank_axis)
-            if rank != d_in:
-                raise ValueError(f"{bn} of shape {b.shape} alone must have shape[{rank_axis}] == "
-                                 f"d_in = {d_in} (x's width)")
-        elif cnp.PyArray_DIM(<cnp.ndarray>b, rank_axis) != rank:
-            raise ValueError(f"a of shape {a.shape} and {bn} of shape {b.shape} must share a "
-                             f"rank (a.shape[1] == {bn}.shape[{rank_axis}])")
-    for name, w in (("a", a), (bn, b)):
-        if w is not None and groups.max_slot >= w.shape[0]:
-            raise ValueError(f"{name} of shape {w.shape} holds {w.shape[0]} slots but a row uses "
-                             f"slot {groups.max_slot}")
-    if rank < 1:
-        raise ValueError(f"the factors' rank must be >= 1, got {rank}")
-    refuse_overlap(<cnp.ndarray>x, <cnp.ndarray>y, "x", "y")
-    c.scale = <float>float(scale)
-    c.add = add
-    c.order = groups._order
-    c.starts = groups._starts
-    c.n_slots = groups.max_slot + 1  # slots past the highest with rows have none
-    c.X = <const char *>cnp.PyArray_DATA(<cnp.ndarray>x)
-    c.Y = <char *>cnp.PyArray_DATA(<cnp.ndarray>y)
-    c.A = <const char *>cnp.PyArray_DATA(<cnp.ndarray>a) if a is not None else NULL
-    c.B = <const char *>cnp.PyArray_DATA(<cnp.ndarray>b) if b is not None else NULL
-    c.rank = <int>rank
-    c.d_in = <int>d_in
-    c.d_out = <int>d_out
-    if c.n_slots == 0:
-        return
-    cdef int hp = active_path(), rc
-    # a reference to every buffer is held by this frame while the kernel runs
-    with nogil:
-        rc = _run(&c, hp)
-    if rc != 0:
-        raise MemoryError("lorahook could not allocate its scratch buffer")
-
-
-# ---------------------------------------------------------------------------
-# LoRA pairs in the rows' own dtype, on an OpenMP team (_pairs.h)
-# ---------------------------------------------------------------------------
+    _MAX_TEAM_THREADS = 4096
 
 cdef extern from "_pairs.h" nogil:
-    int LH_P_MAX_SLICES
-    enum: LH_P_MAX_SLICES_ "LH_P_MAX_SLICES"
+    enum: LH_P_MAX_SLICES
     int LH_P_COLS
     ctypedef struct lh_slice:
         const char *const *A
@@ -468,7 +56,7 @@ cdef extern from "_pairs.h" nogil:
         int add
         float scale
         int n_slices
-        lh_slice slices[LH_P_MAX_SLICES_]
+        lh_slice slices[LH_P_MAX_SLICES]
         float *T
     ctypedef struct lh_team:
         int n
@@ -563,8 +151,8 @@ def openmp_team(int n_threads):
     ``libiomp5.so``, ``libomp.so``).  Nothing is loaded and no thread is
     started here: ``None`` when no OpenMP runtime is loaded.
     """
-    if n_threads < 1 or n_threads > 4096:
-        raise ValueError(f"n_threads must be in [1, 4096], got {n_threads}")
+    if n_threads < 1 or n_threads > _MAX_TEAM_THREADS:
+        raise ValueError(f"n_threads must be in [1, {_MAX_TEAM_THREADS}], got {n_threads}")
     cdef Team team = Team.__new__(Team)
     if lh_team_find(&team.t) != 0:
         return None
@@ -608,7 +196,7 @@ cdef class SlotPairs:
     cdef object _refs          # what the pointers point into, kept alive
     cdef object _ranks         # per slice: the int32 ranks array the kernel reads
     cdef const char **_ptrs    # per slice: n_slots pointers into A, then n_slots into Bt
-    cdef lh_slice slices[LH_P_MAX_SLICES_]
+    cdef lh_slice slices[LH_P_MAX_SLICES]
     cdef Py_ssize_t t_floats   # sum of rmax: t's floats per row
     cdef bint _settable        # made by per_slot
     cdef int _busy             # calls running (set_slot refuses to change a slot under one)
@@ -617,7 +205,7 @@ cdef class SlotPairs:
         self._ptrs = NULL
 
     def __init__(self, a, bt, ranks, half=None):
-        cdef int bits = _half_kind(half), i, kind = -1
+        cdef int bits = half_bits(half), i, kind = -1
         cdef Py_ssize_t s
         a, bt, ranks = list(a), list(bt), list(ranks)
         if not 1 <= len(a) <= LH_P_MAX_SLICES or len(bt) != len(a) or len(ranks) != len(a):
@@ -626,8 +214,8 @@ cdef class SlotPairs:
         n_slots = d_in = 0
         for i in range(len(a)):
             ai, bi = a[i], bt[i]
-            ka = _weights_kind(ai, f"a[{i}]", bits)
-            kb = _weights_kind(bi, f"bt[{i}]", bits)
+            ka = weights_kind(ai, f"a[{i}]", bits)
+            kb = weights_kind(bi, f"bt[{i}]", bits)
             if i == 0:
                 kind = ka
                 n_slots, d_in = ai.shape[0], ai.shape[2]
@@ -815,10 +403,10 @@ def apply_pairs(SlotRows groups not None, x, y, SlotPairs pairs not None, scale=
     to run.  The GIL is released while the kernel runs.  ``TypeError`` /
     ``ValueError`` for bad arguments, raised before anything is written.
     """
-    cdef int bits = _half_kind(half)
+    cdef int bits = half_bits(half)
     cdef Py_ssize_t d_in, d_out, ldx, ldy
-    cdef int xk = _rows_kind(x, "x", bits, False, groups.n_rows, &d_in, &ldx)
-    cdef int yk = _rows_kind(y, "y", bits, True, groups.n_rows, &d_out, &ldy)
+    cdef int xk = rows_kind(x, "x", bits, False, groups.n_rows, &d_in, &ldx)
+    cdef int yk = rows_kind(y, "y", bits, True, groups.n_rows, &d_out, &ldy)
     if xk != pairs.kind or yk != pairs.kind:
         raise TypeError(f"x ({x.dtype}) and y ({y.dtype}) must have the pairs' dtype")
     if d_in != pairs.d_in:
@@ -916,7 +504,7 @@ cdef int _run_pairs(SlotRows groups, SlotPairs pairs, const char *X, Py_ssize_t 
     cdef int own = 0
     pairs._busy += 1
     with nogil:
-        c.T = lorahook_scratch_slot(<size_t>(c.n_covered * pairs.t_floats), _SCRATCH_PAIRS,
+        c.T = lorahook_scratch_slot(<size_t>(c.n_covered * pairs.t_floats), LH_SCRATCH_PRODUCTS,
                                     &own)
         if c.T != NULL:
             lh_pairs_run(&c, tp, part)

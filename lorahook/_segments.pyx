@@ -1,0 +1,416 @@
+# cython: language_level=3
+"""The segment kernels: adapter factors applied to rows of checked buffers, without the GIL.
+
+A :c:type:`~lorahook._lora_gemm.Segment` is one layer's factors on a set of
+rows of one projection.  For ``n`` rows through it (``A`` is ``(rank,
+d_in)``, ``B`` is ``(d_out, rank)``) the update is ``Y += s * (X A^T) B^T``:
+
+* below the crossover (:func:`get_gemm_crossover` rows) each row gets two
+  matrix-vector products: ``t = A x`` then ``y += s * B t``;
+* at or above it, the rows go through :c:func:`~lorahook._lora_gemm.gemm_rows`:
+  two matrix-matrix products a chunk of rows at a time, rows that are not
+  one run in the batch gathered into scratch and scatter-added back;
+* half-precision rows at or above it are widened a chunk at a time and their
+  output a block of columns at a time, each value rounded once
+  (:c:func:`_run_half_batched`);
+* an embedding segment gathers columns of ``A`` by id (:c:func:`run_embedding_segments`).
+
+``B`` is kept in one layout only, ``B^T`` row-major (``(rank, d_out)``), so
+both products with it stream memory.  Every product goes through the
+row-major helpers of ``_blas.pxd``; 16-bit rows and weights are widened
+through ``lorahook._halfconv``.  Kernels run on the calling thread with the
+GIL released; this module starts no thread.  Different paths may differ in
+the last bits of float32 rounding: a row's result can depend on the batch it
+was computed in.  The callers (``lorahook._kernels``: a layer, a plan of
+groups) check every buffer first, with ``lorahook._checks``.
+"""
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint16_t
+from libc.stdlib cimport free
+from libc.string cimport memcpy
+
+from lorahook cimport _blas
+from lorahook._checks cimport ROWS_F32, as_width
+from lorahook._halfconv cimport active_path, narrow_on, widen_on
+from lorahook._lora_gemm cimport LH_SCRATCH_PRODUCTS, LH_SCRATCH_WEIGHTS, LH_SCRATCH_WIDENED
+from lorahook._lora_gemm cimport PRE_NONE, Segment, gemm_rows, half_of, lorahook_scratch_slot
+from lorahook._lora_gemm cimport seg_down, seg_pre, seg_row, seg_scale
+from scipy.linalg.cython_blas cimport sgemm
+
+cnp.import_array()
+
+cdef extern from "_blas_path.h" nogil:
+    char *lorahook_blas_path
+    void lorahook_find_blas(void *blas_caller) noexcept
+
+# Rows at or above which a single adapter segment uses the sgemm pair instead
+# of one sgemv pair per row.
+cdef Py_ssize_t _gemm_crossover = 32
+
+# Called once, with the GIL, before the first batched (sgemm) kernel of the
+# process runs; set by lorahook.threads (its BLAS pool check).
+cdef object _first_batched = None
+cdef bint _batched_seen = False
+
+def set_first_batched(fn):
+    """Set the callable run once before the process's first batched kernel."""
+    global _first_batched
+    _first_batched = fn
+
+
+def get_gemm_crossover():
+    """Rows from which a batch through one adapter layer uses ``sgemm``."""
+    return _gemm_crossover
+
+
+def set_gemm_crossover(n):
+    """Set the row count from which the ``sgemm`` path is used (``n >= 1``).
+
+    ``1`` forces the batched path for every batch, a huge value forces the
+    row loop.  Returns the previous value.
+    """
+    global _gemm_crossover
+    n = as_width(n, "n")
+    old = _gemm_crossover
+    _gemm_crossover = n
+    return old
+
+
+def blas_library_path():
+    """The file of the BLAS library the kernels call, or ``None`` when unknown."""
+    path = <bytes>lorahook_blas_path
+    return path.decode("utf-8", "surrogateescape") if path else None
+
+
+lorahook_find_blas(<void *>sgemm)
+
+
+# ---------------------------------------------------------------------------
+# kernels (no Python objects, no GIL)
+# ---------------------------------------------------------------------------
+
+cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int d_out,
+                      Py_ssize_t crossover, int hp) noexcept nogil:
+    """One segment of float32 weights on float32 rows; -1 without scratch memory.
+
+    Below ``crossover`` rows, the row loop; at or above it, :c:func:`gemm_rows`.
+    """
+    cdef int rank = s.rank, owned = 0
+    cdef Py_ssize_t n = s.n_rows, i, r
+    cdef float alpha
+    cdef float *yr
+    cdef float *t
+    if rank == 0 or n == 0:
+        return 0
+    if n >= crossover:
+        return gemm_rows(s, <const char *>X, d_in, ROWS_F32, <char *>Y, d_out, ROWS_F32,
+                         d_in, d_out, True, hp)
+    t = lorahook_scratch_slot(<size_t>rank, LH_SCRATCH_PRODUCTS, &owned)
+    if t == NULL:
+        return -1
+    for i in range(n):
+        r = seg_row(s, i)
+        alpha = seg_scale(s, i)
+        yr = Y + r * d_out
+        seg_pre(s, yr, 0, d_out)
+        if s.direct:  # y += a W x
+            _blas.gemv(True, rank, d_out, alpha, s.b, d_out, X + r * d_in, 1.0, yr)
+            continue
+        _blas.gemv(False, rank, d_in, 1.0, s.a, d_in, X + r * d_in, 0.0, t)   # t = A x
+        _blas.gemv(True, rank, d_out, alpha, s.b, d_out, t, 1.0, yr)        # y += a B t
+        if s.bias != NULL:
+            _blas.axpy(d_out, alpha, s.bias, yr)
+    if owned:
+        free(t)
+    return 0
+
+
+cdef inline void _widen_rows(const Segment *s, Py_ssize_t k, int c, const uint16_t *src,
+                             int width, float *dst, int hk, int hp) noexcept nogil:
+    """Widen the segment's rows ``k..k+c`` of ``src`` (rows of ``width``) into ``dst``, packed."""
+    cdef int j
+    for j in range(c):
+        widen_on(hp, src + seg_row(s, k + j) * width, dst + j * width, width, hk)
+
+
+# Half-precision batches: rows per chunk, and the floats of one block of the
+# delta (a block of output columns for every row of a chunk), kept in L1/L2;
+# below the crossover, the floats of one chunk's widened input and output rows.
+cdef enum:
+    _HALF_CHUNK_ROWS = 32
+    _HALF_BLOCK_FLOATS = 4096
+    _HALF_ROWS_CHUNK_FLOATS = 1 << 18
+
+
+cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int d_in, int d_out,
+                           int hk, int hp) noexcept nogil:
+    """Half-precision rows at or above the crossover, the output never widened whole.
+
+    Per chunk of ``_HALF_CHUNK_ROWS`` rows: the input rows are widened into
+    scratch and ``T = X A^T`` is one product; then, a block of output columns
+    at a time, the rows' block of the output is widened into ``D``,
+    ``D += s * T B_block^T`` and each row's block is rounded back once.  ``D``
+    stays in L1 (blocks widen with the rank, whose product has more to do);
+    ``s`` holds float32 weights.
+    """
+    cdef int rank = s.rank
+    cdef Py_ssize_t n = s.n_rows, k, j, r, o0
+    cdef int c, ob, block, owned = 0, lt
+    cdef float alpha
+    cdef const float *tp
+    # more rows per chunk and wider blocks for higher ranks, where each product
+    # has more to do; rank 16: 32 rows, blocks of 128 output columns
+    cdef int grow = 1 + (rank - 1) // 16
+    if grow > 8:
+        grow = 8
+    cdef Py_ssize_t chunk = _HALF_CHUNK_ROWS * grow
+    if chunk > n:
+        chunk = n
+    block = <int>(_HALF_BLOCK_FLOATS * grow // chunk)
+    if block > d_out:
+        block = d_out
+    if block < 16:
+        block = 16 if d_out >= 16 else d_out
+    cdef float *G = lorahook_scratch_slot(
+        <size_t>chunk * (<size_t>d_in + rank + block), LH_SCRATCH_PRODUCTS, &owned)
+    if G == NULL:
+        return -1
+    cdef float *T = G + chunk * d_in
+    cdef float *D = T + chunk * rank
+    k = 0
+    while k < n:
+        c = <int>(chunk if n - k > chunk else n - k)
+        _widen_rows(s, k, c, X, d_in, G, hk, hp)
+        alpha = seg_down(s, k, c, G, d_in, d_in, T, &tp, &lt)
+        o0 = 0
+        while o0 < d_out:
+            ob = <int>(block if d_out - o0 > block else d_out - o0)
+            for j in range(c):  # the block of each output row, widened
+                widen_on(hp, Y + seg_row(s, k + j) * d_out + o0, D + j * ob, ob, hk)
+                seg_pre(s, D + j * ob, o0, ob)
+            # D (c, ob) += alpha T B^T[:, o0:o0+ob]
+            _blas.gemm(False, False, c, ob, rank, alpha, tp, lt, s.b + o0, d_out, 1.0, D, ob)
+            for j in range(c):  # each output row's block rounded once
+                r = seg_row(s, k + j)
+                if s.bias != NULL:
+                    _blas.axpy(ob, seg_scale(s, k + j), s.bias + o0, D + j * ob)
+                narrow_on(hp, D + j * ob, Y + r * d_out + o0, ob, hk)
+            o0 += ob
+        k += c
+    if owned:
+        free(G)
+    return 0
+
+
+cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_in, int d_out,
+                        int hk, int hp) noexcept nogil:
+    """Half-precision rows below the crossover: widened, the float32 row loop, rounded once.
+
+    Each chunk's input and output rows are widened into scratch, the float32
+    row kernel adds each delta to the widened output, and each output row is
+    rounded back once, to nearest even.
+    """
+    cdef Segment seg = s[0]
+    cdef Py_ssize_t n = s.n_rows, k, j, cap, chunk
+    cdef int c, owned = 0, rc = 0
+    cap = <Py_ssize_t>_HALF_ROWS_CHUNK_FLOATS // (<Py_ssize_t>d_in + d_out)
+    chunk = n if n < cap else cap
+    if chunk < 1:
+        chunk = 1
+    cdef float *G = lorahook_scratch_slot(<size_t>chunk * (<size_t>d_in + d_out), LH_SCRATCH_WIDENED,
+                                          &owned)
+    if G == NULL:
+        return -1
+    cdef float *D = G + chunk * d_in
+    k = 0
+    while k < n:
+        c = <int>(chunk if n - k > chunk else n - k)
+        _widen_rows(s, k, c, X, d_in, G, hk, hp)
+        _widen_rows(s, k, c, Y, d_out, D, hk, hp)
+        seg.rows = NULL
+        seg.n_rows = c
+        seg.row_scales = s.row_scales + k if s.row_scales != NULL else NULL
+        rc = _run_segment(&seg, G, D, d_in, d_out, c + 1, hp)  # c + 1: the row loop
+        if rc != 0:
+            break
+        for j in range(c):
+            narrow_on(hp, D + j * d_out, Y + seg_row(s, k + j) * d_out, d_out, hk)
+        k += c
+    if owned:
+        free(G)
+    return rc
+
+
+cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, int d_out,
+                          Py_ssize_t crossover, int kind, int hp) noexcept nogil:
+    """Apply one segment to rows of any kind, with weights of any kind.
+
+    16-bit weights are widened once per call into their scratch area.  The
+    kernel path (row loop or batched) is chosen by the whole segment's row
+    count, for every row kind.  Returns -1 without memory.
+    """
+    cdef Segment seg = s[0]
+    cdef int owned = 0, rc, hk
+    cdef float *W = NULL
+    if s.rank == 0 or s.n_rows == 0:
+        return 0
+    if s.wkind >= 0:
+        W = lorahook_scratch_slot(<size_t>s.rank * (<size_t>d_in + d_out) + d_out,
+                                  LH_SCRATCH_WEIGHTS, &owned)
+        if W == NULL:
+            return -1
+        widen_on(hp, <const uint16_t *>s.a16, W, <size_t>s.rank * d_in, s.wkind)
+        widen_on(hp, <const uint16_t *>s.b16, W + <Py_ssize_t>s.rank * d_in,
+                <size_t>s.rank * d_out, s.wkind)
+        seg.a = W
+        seg.b = W + <Py_ssize_t>s.rank * d_in
+        if s.bias16 != NULL:
+            seg.bias = W + <Py_ssize_t>s.rank * (d_in + d_out)
+            widen_on(hp, <const uint16_t *>s.bias16, <float *>seg.bias, d_out, s.wkind)
+    hk = half_of(kind)
+    if kind == ROWS_F32:
+        rc = _run_segment(&seg, <const float *>X, <float *>Y, d_in, d_out, crossover, hp)
+    elif s.n_rows >= crossover:
+        rc = _run_half_batched(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk, hp)
+    else:
+        rc = _run_half_rows(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk, hp)
+    if owned:
+        free(W)
+    return rc
+
+
+# Rows per chunk of an embedding segment.
+cdef enum:
+    _EMBEDDING_CHUNK_ROWS = 64
+
+
+cdef int _run_embedding(const Segment *s, const int64_t *ids, char *Y, int num_emb, int d_out,
+                        int kind, int hp) noexcept nogil:
+    """One embedding segment on the rows of checked ids (each in ``[0, num_emb)``).
+
+    LoRA: ``T = s * A[:, ids]`` is gathered per chunk of rows, ``D = T B^T``
+    one product, and each row of ``D`` added to its output row (half rows
+    widened, added in float32 and rounded once).  A saved embedding (direct)
+    replaces each row with ``E[id]``.  Returns -1 without memory.
+    """
+    cdef Py_ssize_t n = s.n_rows, k, r, q
+    cdef int rank = s.rank, c, j, owned = 0, owned_w = 0, hk
+    cdef float alpha, v
+    cdef const float *bt = s.b
+    cdef float *W = NULL
+    cdef float *yr
+    cdef int64_t idx
+    if n == 0 or rank == 0:
+        return 0
+    hk = half_of(kind)
+    if s.wkind >= 0:  # 16-bit LoRA factors: B widened once, A read per element
+        W = lorahook_scratch_slot(<size_t>rank * d_out, LH_SCRATCH_WEIGHTS, &owned_w)
+        if W == NULL:
+            return -1
+        widen_on(hp, <const uint16_t *>s.b16, W, <size_t>rank * d_out, s.wkind)
+        bt = W
+    cdef Py_ssize_t chunk = _EMBEDDING_CHUNK_ROWS if n > _EMBEDDING_CHUNK_ROWS else n
+    cdef Py_ssize_t t_cols = 0 if s.direct else rank
+    cdef float *T = lorahook_scratch_slot(<size_t>chunk * (t_cols + d_out) + d_out, LH_SCRATCH_PRODUCTS,
+                                          &owned)
+    if T == NULL:
+        if owned_w:
+            free(W)
+        return -1
+    cdef float *D = T + chunk * t_cols
+    cdef float *R = D + chunk * d_out
+    k = 0
+    while k < n:
+        c = <int>(chunk if n - k > chunk else n - k)
+        if s.direct:
+            for j in range(c):
+                idx = ids[seg_row(s, k + j)]
+                memcpy(D + j * d_out, bt + idx * d_out, d_out * sizeof(float))
+                alpha = seg_scale(s, k + j)
+                if alpha != 1.0:
+                    _blas.scal(d_out, alpha, D + j * d_out)
+        else:
+            for j in range(c):
+                idx = ids[seg_row(s, k + j)]
+                alpha = seg_scale(s, k + j)
+                for q in range(rank):
+                    if s.wkind >= 0:
+                        widen_on(hp, <const uint16_t *>s.a16 + q * num_emb + idx, &v, 1, s.wkind)
+                    else:
+                        v = s.a[q * num_emb + idx]
+                    T[j * rank + q] = alpha * v
+            _blas.gemm(False, False, c, d_out, rank, 1.0, T, rank, bt, d_out, 0.0, D, d_out)
+        for j in range(c):
+            r = seg_row(s, k + j)
+            if kind == ROWS_F32:
+                yr = <float *>Y + r * d_out
+            else:
+                yr = R
+                widen_on(hp, <const uint16_t *>Y + r * d_out, R, d_out, hk)
+            seg_pre(s, yr, 0, d_out)
+            _blas.axpy(d_out, 1.0, D + j * d_out, yr)
+            if kind != ROWS_F32:
+                narrow_on(hp, R, <uint16_t *>Y + r * d_out, d_out, hk)
+        k += c
+    if owned:
+        free(T)
+    if owned_w:
+        free(W)
+    return 0
+
+
+cdef int run_embedding_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray ids,
+                                cnp.ndarray y, int d_out, int kind) except -1:
+    """Run embedding segments one after the other, with the GIL released.
+
+    ``ids`` is a private int64 array whose values were checked against every
+    segment's ``num_embeddings`` (its ``d_in``); ``y`` a checked output buffer.
+    """
+    cdef Py_ssize_t g
+    cdef int rc = 0
+    cdef int hp = active_path()
+    cdef const int64_t *I = <const int64_t *>cnp.PyArray_DATA(ids)
+    cdef char *Y = <char *>cnp.PyArray_DATA(y)
+    with nogil:
+        for g in range(ng):
+            rc = _run_embedding(&segs[g], I, Y, segs[g].d_in, d_out, kind, hp)
+            if rc != 0:
+                break
+    if rc != 0:
+        raise MemoryError("lorahook could not allocate its scratch buffer")
+    return 0
+
+
+cdef int run_segments(const Segment *segs, Py_ssize_t ng, cnp.ndarray x, cnp.ndarray y,
+                      int d_in, int d_out, int kind) except -1:
+    """Run segments one after the other on checked buffers, with the GIL released.
+
+    Every linear path into the kernels ends here.  Segments run in order on
+    the calling thread, so two updates of one row never race.
+    """
+    global _batched_seen
+    cdef Py_ssize_t g, crossover = _gemm_crossover
+    cdef int rc = 0
+    cdef int hp = active_path()  # one path for the whole call
+    if not _batched_seen:
+        # the one-time BLAS check (a warning, lorahook.threads) runs before the
+        # buffers' addresses are taken; under -W error it refuses this call,
+        # with nothing written
+        for g in range(ng):
+            if segs[g].rank > 0 and segs[g].n_rows >= crossover:
+                _batched_seen = True
+                if _first_batched is not None:
+                    _first_batched()
+                break
+    cdef const char *X = <const char *>cnp.PyArray_DATA(x)
+    cdef char *Y = <char *>cnp.PyArray_DATA(y)
+    with nogil:
+        for g in range(ng):
+            rc = _run_segment_any(&segs[g], X, Y, d_in, d_out, crossover, kind, hp)
+            if rc != 0:
+                break
+    if rc != 0:
+        raise MemoryError("lorahook could not allocate its scratch buffer")
+    return 0
+
+
