@@ -27,7 +27,7 @@ import sys
 import tempfile
 
 # the model, tokenizer and adapters of the server tests, at the sizes below
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
 from serve_files import SIZES, save_all, start_server, stop_server  # noqa: E402
 
 

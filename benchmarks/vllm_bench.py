@@ -150,7 +150,7 @@ def ops(repeat=30, dtype="float32", threads=2):
 
 def make_files(workdir, adapters=8):
     """The 0.5B-shaped model, its tokenizer and the adapters (made once, kept in workdir)."""
-    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
     from vllm_files import save_model_and_adapters
     return save_model_and_adapters(workdir, [f"a{i}" for i in range(adapters)], size="0.5b")
 
@@ -208,21 +208,21 @@ def _breakdown(path):
 
 
 class _Engine:
-    """One vLLM engine kept alive in a process of its own (``tests/vllm_run.py``, mode
+    """One vLLM engine kept alive in a process of its own (``tests/support/vllm_run.py``, mode
     ``bursts``), timing a burst whenever it is asked."""
 
     def __init__(self, spec, env, log):
         import json
         import subprocess
 
-        from vllm_run import child_env  # tests/, on the path since make_files
+        from vllm_run import child_env  # tests/support/, on the path since make_files
         self.spec_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump({**spec, "mode": "bursts"}, self.spec_file)
         self.spec_file.close()
         full = child_env({"PYTHONUNBUFFERED": "1", **env})
         self.log = open(log, "w", encoding="utf-8")
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "..", "tests", "vllm_run.py"),
+            [sys.executable, os.path.join(HERE, "..", "tests", "support", "vllm_run.py"),
              self.spec_file.name], env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, text=True)
         self.wrapper = None
@@ -386,7 +386,7 @@ def tenants(workdir, configs=None, rounds=3, max_tokens=32, own_256=True):
     kernels and slots in that configuration (it may not start: the line says
     so).  Rates are tokens/s; a ratio is taken within a round.
     """
-    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
     from vllm_files import TENANT_KINDS, save_model_and_adapters, save_tenants
     model_dir, _, _ = save_model_and_adapters(workdir, [], size="0.5b")
     kinds = {"rank 8": TENANT_KINDS[:1], "mixed": TENANT_KINDS}

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from . import _halfconv
+from ._halfconv import narrow, widen
 from ._values import finite_real
 
 INT_MAX = 2**31 - 1
@@ -43,12 +43,12 @@ def as_float32(arr):
     """A float32 array of ``arr``'s values (``arr`` itself when it is float32); exact."""
     if arr.dtype == np.float32:
         return arr
-    return _halfconv.widen(np.ascontiguousarray(arr).view(np.uint16), arr.dtype.name)
+    return widen(np.ascontiguousarray(arr).view(np.uint16), arr.dtype.name)
 
 
 def rounded(arr32, dt):
     """``arr32`` rounded to nearest even in ``dt`` (float16 / bfloat16), read-only."""
-    out = _halfconv.narrow(np.ascontiguousarray(arr32, dtype=np.float32), dt.name).view(dt)
+    out = narrow(np.ascontiguousarray(arr32, dtype=np.float32), dt.name).view(dt)
     out.flags.writeable = False
     return out
 

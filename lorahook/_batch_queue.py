@@ -1,6 +1,6 @@
 """The pending calls of :func:`lorahook.ray_serve.batch` and the queue that forms batches of them.
 
-One :class:`_Queue` per instance and event loop holds the pending calls in
+One :class:`Queue` per instance and event loop holds the pending calls in
 arrival order; its worker task forms each batch (at most ``max_batch_size``
 calls, at most ``max_adapters`` distinct adapters) and hands it to the
 batcher (:mod:`lorahook._batching`).  Pure asyncio.
@@ -13,10 +13,10 @@ import weakref
 from ._values import describe
 
 # what a streaming call's queue carries: a chunk, the end, an error
-_CHUNK, _END, _ERROR = 0, 1, 2
+CHUNK, END, ERROR = 0, 1, 2
 
 
-class _Call:
+class Call:
     """One pending ``await f(adapter_name, item)`` (or, streaming, ``f(adapter_name, item)``).
 
     ``future`` is done once the call has its result, its error, or (streaming)
@@ -34,37 +34,37 @@ class _Call:
         self.stream = stream
 
 
-def _fail(calls, exc):
+def fail(calls, exc):
     for call in calls:
         if not call.future.done():
             if call.stream is not None:
-                call.stream.put_nowait((_ERROR, exc))
+                call.stream.put_nowait((ERROR, exc))
                 call.future.set_result(None)
             else:
                 call.future.set_exception(exc)
 
 
-def _cancel(calls):
+def cancel(calls):
     for call in calls:
         if call.stream is not None and not call.future.done():
-            call.stream.put_nowait((_ERROR, asyncio.CancelledError()))
+            call.stream.put_nowait((ERROR, asyncio.CancelledError()))
         call.future.cancel()
 
 
-def _finish(call):
+def finish(call):
     """A streaming call is done: its caller's iteration ends."""
     if not call.future.done():
-        call.stream.put_nowait((_END, None))
+        call.stream.put_nowait((END, None))
         call.future.set_result(None)
 
 
-def _wake(future):
+def wake(future):
     if not future.done():
         future.set_result(None)
 
 
-class _Owner:
-    """The queues of one instance (or of a plain function): event loop -> :class:`_Queue`."""
+class Owner:
+    """The queues of one instance (or of a plain function): event loop -> :class:`Queue`."""
 
     __slots__ = ("ref", "queues")
 
@@ -79,7 +79,7 @@ class _Owner:
         self.queues = weakref.WeakKeyDictionary()
 
 
-class _Queue:
+class Queue:
     """Pending calls of one instance in one event loop, and the worker that batches them.
 
     Used only from the thread running that loop.  It keeps no reference to
@@ -121,7 +121,7 @@ class _Queue:
     def poke(self):
         """Make a waiting worker look at the queue and the settings again."""
         if self._waiter is not None:
-            _wake(self._waiter)
+            wake(self._waiter)
 
     def _select(self, limit, names=frozenset(), in_order=False):
         """The calls of the next batch, without taking them, and whether the batch is full.
@@ -179,7 +179,7 @@ class _Queue:
                     f"so no batch can serve it")))
         for call, exc in failed:
             self._pending.remove(call)
-            _fail((call,), exc)
+            fail((call,), exc)
         return chosen, len(chosen) >= limit
 
     def take(self, chosen):
@@ -205,7 +205,7 @@ class _Queue:
 
     async def _sleep_until(self, loop, deadline):
         waiter = self._waiter = loop.create_future()
-        timer = loop.call_at(deadline, _wake, waiter)
+        timer = loop.call_at(deadline, wake, waiter)
         try:
             await waiter
         finally:
@@ -246,9 +246,9 @@ class _Queue:
             waiting = list(running) + list(self._pending)
             self._pending.clear()
             if isinstance(exc, asyncio.CancelledError):
-                _cancel(waiting)
+                cancel(waiting)
             else:
-                _fail(waiting, exc)
+                fail(waiting, exc)
             raise
         finally:
             self._worker = None

@@ -42,7 +42,7 @@ import threading
 import warnings
 from collections.abc import Mapping
 
-from ._batch_queue import _CHUNK, _END, _Call, _Owner, _Queue, _fail, _finish
+from ._batch_queue import CHUNK, END, Call, Owner, Queue, fail, finish
 from ._values import describe, is_int
 
 __all__ = ["batch", "DONE", "Joined"]
@@ -159,7 +159,7 @@ class _Batcher:
         self.batch_wait_timeout_s = batch_wait_timeout_s
         self.max_adapters = max_adapters
         self._lock = threading.RLock()
-        self._owners = {}  # id(owner) -> _Owner
+        self._owners = {}  # id(owner) -> Owner
 
     def __reduce__(self):
         return (_Batcher, (self.func, self.is_method, self.max_batch_size,
@@ -219,11 +219,11 @@ class _Batcher:
                         current = owners.get(key)
                         if current is not None and current.ref is ref:
                             del owners[key]
-                entry = owners[key] = _Owner(owner, forget)
+                entry = owners[key] = Owner(owner, forget)
             queue = entry.queues.get(loop)
             if queue is not None:
                 return queue
-            queue = entry.queues[loop] = _Queue(self)
+            queue = entry.queues[loop] = Queue(self)
         self._warn_if_replica_limits(stacklevel=4)
         return queue
 
@@ -231,7 +231,7 @@ class _Batcher:
         adapter_name = _check_adapter_name(adapter_name)
         loop = asyncio.get_running_loop()
         queue = self._queue(owner, loop)
-        call = _Call(adapter_name, item, loop.create_future(), loop.time())
+        call = Call(adapter_name, item, loop.create_future(), loop.time())
         queue.put(call, owner)
         try:
             return await call.future
@@ -247,14 +247,14 @@ class _Batcher:
         """
         loop = asyncio.get_running_loop()
         queue = self._queue(owner, loop)
-        call = _Call(adapter_name, item, loop.create_future(), loop.time(), asyncio.Queue())
+        call = Call(adapter_name, item, loop.create_future(), loop.time(), asyncio.Queue())
         queue.put(call, owner)
         try:
             while True:
                 kind, value = await call.stream.get()
-                if kind == _CHUNK:
+                if kind == CHUNK:
                     yield value
-                elif kind == _END:
+                elif kind == END:
                     return
                 else:
                     raise value
@@ -300,16 +300,16 @@ class _Batcher:
                         continue
                     call = calls[i]
                     if chunk is DONE or call.future.done():  # finished, or its caller left
-                        _finish(call)
+                        finish(call)
                         open_calls.discard(i)
                     else:
-                        call.stream.put_nowait((_CHUNK, chunk))
+                        call.stream.put_nowait((CHUNK, chunk))
                 if not open_calls:
                     break  # every item is finished: the function need not run on
         finally:
             await steps.aclose()
         for i in open_calls:  # the function ended: so did its items
-            _finish(calls[i])
+            finish(calls[i])
         return [None] * len(calls)
 
     async def _run_continuous(self, args, calls, queue):
@@ -331,11 +331,11 @@ class _Batcher:
                 still, left = [], []
                 for i, (call, chunk) in enumerate(zip(current, step)):
                     if chunk is DONE:
-                        _finish(call)
+                        finish(call)
                     elif call.future.done():  # its caller left: the item leaves the batch
                         left.append(i)
                     else:
-                        call.stream.put_nowait((_CHUNK, chunk))
+                        call.stream.put_nowait((CHUNK, chunk))
                         still.append(call)
                 names = frozenset(call.name for call in still if call.name is not None)
                 joined = queue.join(self.max_batch_size - len(still), names, bool(still))
@@ -348,7 +348,7 @@ class _Batcher:
         finally:
             await steps.aclose()
         for call in calls:  # the function ended: so did its items
-            _finish(call)
+            finish(call)
         return None
 
     def deliver(self, calls, task):
@@ -375,7 +375,7 @@ class _Batcher:
                 except Exception as err:
                     exc = err
         if exc is not None:
-            _fail(calls, exc)
+            fail(calls, exc)
             return
         for call, result in zip(calls, results):
             if not call.future.done():  # its caller was cancelled: drop the result

@@ -11,17 +11,22 @@ from types import MappingProxyType
 
 import numpy as np
 
-from . import _checks, _kernels, _sources, threads
+from ._checks import check_rows
+from ._kernels import apply_layer
+from ._sources import DISPATCH_ASK_HOOK, DISPATCH_KERNELS, DISPATCH_PER_ROW, KernelTable
+from .threads import look_ahead
 from ._values import is_int, key_order
 from .errors import LoraFormatError, LoraValidationError
 from .files import read_peft, read_safetensors_adapter, write_peft
 from .hook import LoraHook
 from .models import EMBEDDING_MODULES, BertConfig, ModelGeometry
 from ._arrays import finite_scale, weight_dtype
-# _layer_from_pickle: what layers pickled by lorahook 0.1.0 name to rebuild themselves
-from . import layer as _layer, merge, saved_module as _saved_module
-from .layer import LoraLayer, _layer_from_pickle  # noqa: F401
-from .saved_module import SavedModule
+from .layer import LoraLayer, arrays_of as layer_arrays, checked_layer, kernel_of as layer_kernel
+# what layers pickled by lorahook 0.1.0 name to rebuild themselves: a name pickles keep,
+# the one private name this module takes from another
+from .layer import _layer_from_pickle  # noqa: F401
+from .merge import merge_layers, refuse_variants
+from .saved_module import SavedModule, arrays_of as saved_arrays, kernel_of as saved_kernel
 
 __all__ = ["LoraLayer", "LoraAdapter", "SavedModule", "key_order"]
 
@@ -58,11 +63,11 @@ def _str_mapping(value, name):
     return out
 
 
-class LoraAdapter(_sources.KernelTable, LoraHook):
+class LoraAdapter(KernelTable, LoraHook):
     """An immutable set of LoRA layers keyed by ``(layer_idx, module)``.
 
     A :class:`~lorahook.LoraHook` that runs in the compiled core: it is a
-    kernel table of the core (``lorahook._sources.KernelTable``), so for a
+    kernel table of the core (``lorahook.KernelTable``), so for a
     projection it covers, :func:`~lorahook.apply_lora_rows` adds
     ``scale * B @ (A @ x)`` (+ ``scale * bias``) to every row with the GIL
     released; for any other projection it is inactive.  Safe to share between
@@ -135,16 +140,16 @@ class LoraAdapter(_sources.KernelTable, LoraHook):
 
     # How apply_lora_rows runs this class (lorahook._rows): the kernels alone,
     # the class's own is_active first, or its own apply once per row.
-    _core_dispatch = _sources.DISPATCH_KERNELS
+    _core_dispatch = DISPATCH_KERNELS
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.apply is not LoraAdapter.apply:
-            cls._core_dispatch = _sources.DISPATCH_PER_ROW
+            cls._core_dispatch = DISPATCH_PER_ROW
         elif cls.is_active is not LoraAdapter.is_active:
-            cls._core_dispatch = _sources.DISPATCH_ASK_HOOK
+            cls._core_dispatch = DISPATCH_ASK_HOOK
         else:
-            cls._core_dispatch = _sources.DISPATCH_KERNELS
+            cls._core_dispatch = DISPATCH_KERNELS
 
     def __init__(self, layers, name=None, metadata=None, *, module_paths=None,
                  saved_modules=None):
@@ -176,11 +181,11 @@ class LoraAdapter(_sources.KernelTable, LoraHook):
             if not isinstance(path, str):
                 raise TypeError(f"module path for {key!r} must be a str, got {type(path).__name__}")
             paths[key] = path
-        threads.look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
+        look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         # the core's kernel table first (the keys is_active is true for, rank > 0):
         # it refuses a second fill, before this adapter's state is touched
-        table = {key: _layer.kernel_of(layer) for key, layer in checked.items() if layer.rank > 0}
-        table.update((key, _saved_module.kernel_of(module)) for key, module in saved.items())
+        table = {key: layer_kernel(layer) for key, layer in checked.items() if layer.rank > 0}
+        table.update((key, saved_kernel(module)) for key, module in saved.items())
         self._set_table(table, type(self)._core_dispatch)
         object.__setattr__(self, "_layers", checked)
         object.__setattr__(self, "_view", MappingProxyType(checked))
@@ -212,13 +217,13 @@ class LoraAdapter(_sources.KernelTable, LoraHook):
         if getattr(layer, "is_dora", False) and not layer.has_base:
             raise ValueError(f"adapter layer ({layer_idx}, {module!r}) is a DoRA layer without "
                              f"its base weight: give it with adapter.with_base(weights)")
-        n = _checks.check_rows(x, output, layer.d_in, layer.d_out)
+        n = check_rows(x, output, layer.d_in, layer.d_out)
         if n != 1:
             raise ValueError(
                 f"apply takes one row: x must have {layer.d_in} values and output "
                 f"{layer.d_out} for layer ({layer_idx}, {module!r}), got {n} rows "
                 f"(use apply_lora_rows for batches)")
-        _kernels.apply_layer(_layer.kernel_of(layer), x, output, 1)
+        apply_layer(layer_kernel(layer), x, output, 1)
 
     # --- read-only properties ---------------------------------------------
 
@@ -294,9 +299,9 @@ class LoraAdapter(_sources.KernelTable, LoraHook):
     def _all_arrays(self):
         """Every array the adapter keeps (layers, DoRA terms, saved modules)."""
         for layer in self._layers.values():
-            yield from _layer.arrays_of(layer)
+            yield from layer_arrays(layer)
         for module in self._saved.values():
-            yield from _saved_module.arrays_of(module)
+            yield from saved_arrays(module)
 
     @property
     def nbytes(self):
@@ -424,7 +429,7 @@ class LoraAdapter(_sources.KernelTable, LoraHook):
             try:
                 # Checked by the reader as a layer checks its arrays (lorahook.files.LayerData):
                 # kept as they are; the kernel checks the shapes once more.
-                layers[key] = _layer.checked_layer(item.a, item.b.T, item.scale, item.bias,
+                layers[key] = checked_layer(item.a, item.b.T, item.scale, item.bias,
                                                    item.embedding, item.magnitude)
             except (ValueError, TypeError, OverflowError) as exc:
                 raise LoraFormatError(f"{data.source}: module {item.path!r}: {exc}") from None
@@ -512,13 +517,13 @@ class LoraAdapter(_sources.KernelTable, LoraHook):
         so a mapping that refuses assignment works and sees its own arrays
         change.
         """
-        merge.refuse_variants(self._parts(), "merge_into / unmerge_from")
-        merge.merge_layers(self._layers, weights, biases, +1)
+        refuse_variants(self._parts(), "merge_into / unmerge_from")
+        merge_layers(self._layers, weights, biases, +1)
 
     def unmerge_from(self, weights, biases=None):
         """Subtract what :meth:`merge_into` added."""
-        merge.refuse_variants(self._parts(), "merge_into / unmerge_from")
-        merge.merge_layers(self._layers, weights, biases, -1)
+        refuse_variants(self._parts(), "merge_into / unmerge_from")
+        merge_layers(self._layers, weights, biases, -1)
 
     def __repr__(self):
         name = f"{self._name!r}, " if self._name else ""
@@ -558,8 +563,8 @@ class StoreFacts(NamedTuple):
 
 def store_facts(adapter):
     """The :class:`StoreFacts` of ``adapter``."""
-    scales = {_layer.kernel_of(layer).scale for layer in adapter._layers.values() if layer.rank > 0}
-    scales.update(_saved_module.kernel_of(module).scale for module in adapter._saved.values())
+    scales = {layer_kernel(layer).scale for layer in adapter._layers.values() if layer.rank > 0}
+    scales.update(saved_kernel(module).scale for module in adapter._saved.values())
     return StoreFacts({id(arr): arr.nbytes for arr in adapter._all_arrays()},
                       tuple(sorted(scales)), adapter._row_exact)
 

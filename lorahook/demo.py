@@ -114,7 +114,7 @@ def _timed(fn, budget):
 
 def cmd_demo(args, out):
     import numpy as np
-    from . import apply_lora_rows
+    from .hook import apply_lora_rows
     from .adapter import LoraAdapter
     from .errors import LoraValidationError
     from .adapter_set import AdapterSet

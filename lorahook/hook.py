@@ -8,7 +8,7 @@ returned by :meth:`lorahook.AdapterSet.bind` run in the compiled core.
 """
 from abc import ABC, abstractmethod
 
-from . import _rows
+from ._rows import apply_lora_embedding, apply_lora_rows, set_hook_base
 
 __all__ = ["LoraHook", "NoopLoraHook", "apply_lora_rows", "apply_lora_embedding"]
 
@@ -72,7 +72,5 @@ class NoopLoraHook(LoraHook):
         return "NoopLoraHook()"
 
 
-_rows.set_hook_base(LoraHook)
-
-apply_lora_rows = _rows.apply_lora_rows
-apply_lora_embedding = _rows.apply_lora_embedding
+# the compiled entry points (lorahook._rows) are this module's too: re-exported by lorahook
+set_hook_base(LoraHook)

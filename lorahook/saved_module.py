@@ -1,7 +1,7 @@
 """Modules an adapter saves whole (PEFT's ``modules_to_save``)."""
 import numpy as np
 
-from . import _kernels
+from ._kernels import SAVED_EMBEDDING, SAVED_LINEAR, LayerKernel
 from ._arrays import adoptable, owned_float32, owned_vector
 
 __all__ = ["SavedModule"]
@@ -37,9 +37,9 @@ class SavedModule:
         object.__setattr__(self, "_wt", wt)
         object.__setattr__(self, "_bias", bias)
         object.__setattr__(self, "_embedding", embedding)
-        kind = _kernels.SAVED_EMBEDDING if embedding else _kernels.SAVED_LINEAR
+        kind = SAVED_EMBEDDING if embedding else SAVED_LINEAR
         object.__setattr__(self, "_kernel",
-                           _kernels.LayerKernel(None, wt, 1.0, kind=kind, pre_add=bias))
+                           LayerKernel(None, wt, 1.0, kind=kind, pre_add=bias))
 
     def __setattr__(self, name, value):
         raise AttributeError("SavedModule is immutable")
@@ -74,7 +74,7 @@ class SavedModule:
 
 
 def kernel_of(module):
-    """The saved module's compiled kernel (a ``lorahook._kernels.LayerKernel``)."""
+    """The saved module's compiled kernel (a ``lorahook.LayerKernel``)."""
     return module._kernel
 
 

@@ -47,7 +47,7 @@ import os
 import threading
 import warnings
 
-from . import _segments
+from ._segments import blas_library_path, get_gemm_crossover, set_first_batched
 
 __all__ = ["configure", "info"]
 
@@ -59,7 +59,7 @@ _settings = {"blas_threads": None, "configured": False, "found_blas_threads": No
 
 
 def _blas_path():
-    path = _segments.blas_library_path()
+    path = blas_library_path()
     return None if path is None else os.path.realpath(path)
 
 
@@ -206,7 +206,7 @@ def info():
         "numpy_shares_blas": _shared(ours, numpy_blas),
         "configured": _settings["configured"],
         "blas_threads": _settings["blas_threads"],
-        "gemm_crossover": _segments.get_gemm_crossover(),
+        "gemm_crossover": get_gemm_crossover(),
         "threads_started": 0,
     }
 
@@ -255,7 +255,7 @@ def _two_pools_warning():
             f"warning.", RuntimeWarning, stacklevel=2)
 
 
-_segments.set_first_batched(_two_pools_warning)
+set_first_batched(_two_pools_warning)
 
 
 def _obsolete_environment():

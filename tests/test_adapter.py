@@ -106,39 +106,6 @@ def test_single_row_apply_checks_lengths():
         adapter.apply(0, "v_proj", np.zeros(8, np.float32), np.zeros(6, np.float32))
 
 
-def test_layer_validation():
-    with pytest.raises(ValueError, match="2-D"):
-        LoraLayer(np.zeros(3), np.zeros((3, 1)))
-    with pytest.raises(ValueError, match="ranks disagree"):
-        LoraLayer(np.zeros((2, 3)), np.zeros((4, 3)))
-    with pytest.raises(ValueError, match="finite"):
-        LoraLayer(np.full((1, 2), np.nan), np.zeros((2, 1)))
-    with pytest.raises(ValueError, match="finite"):
-        LoraLayer(np.full((1, 2), 1e300), np.zeros((2, 1)))  # overflows float32
-    with pytest.raises(ValueError, match="finite"):
-        LoraLayer(np.zeros((1, 2)), np.zeros((2, 1)), scale=float("inf"))
-    with pytest.raises(TypeError):
-        LoraLayer(np.zeros((1, 2)), np.zeros((2, 1)), scale="2")
-    with pytest.raises(ValueError, match="bias"):
-        LoraLayer(np.zeros((1, 2)), np.zeros((3, 1)), bias=np.zeros(2))
-    with pytest.raises(ValueError, match="rank-0"):
-        LoraLayer(np.zeros((0, 2)), np.zeros((3, 0)), bias=np.zeros(3))
-    with pytest.raises(TypeError, match="real numbers"):
-        LoraLayer(np.zeros((1, 2), complex), np.zeros((2, 1)))
-
-
-def test_layer_owns_readonly_float32_copies():
-    a = np.ones((2, 3))
-    layer = LoraLayer(a, np.ones((4, 2)), 0.5)
-    a[:] = 5
-    assert layer.a.dtype == np.float32 and layer.a.flags.c_contiguous
-    assert not layer.a.flags.writeable and not layer.b.flags.writeable
-    assert (layer.a == 1).all()
-    assert (layer.rank, layer.d_in, layer.d_out, layer.scale) == (2, 3, 4, 0.5)
-    with pytest.raises(AttributeError):
-        layer.scale = 2.0
-
-
 def test_adapter_properties_and_immutability():
     rng = np.random.default_rng(4)
     l1 = make_layer(rng, 4, 8, 8)[0]

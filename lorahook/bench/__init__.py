@@ -57,8 +57,8 @@ import sys
 
 import numpy as np
 
-from .rows import (_Timer, _bind_cost, _half, _mixed, _rng, _server_loop, _sgemm_peak, _single,
-                   _thread_study, _torch, _two_threads)
+from .rows import (Timer, bind_cost, half, import_torch, mixed, seeded_rng, server_loop,
+                   sgemm_peak, single, compare_thread_settings, two_threads)
 
 __all__ = ["run", "main", "format_report"]
 
@@ -87,10 +87,10 @@ def _run(progress, quick, thread_study):
     default_blas = threads.info()["blas"]
     if thread_study is None:
         thread_study = not quick
-    timer = _Timer(budget=0.08 if quick else 0.3, pause=0.05 if quick else 0.25)
+    timer = Timer(budget=0.08 if quick else 0.3, pause=0.05 if quick else 0.25)
     rounds = 1 if quick else 3
-    torch, F = _torch()
-    rng = _rng()
+    torch, F = import_torch()
+    rng = seeded_rng()
     steps = [
         ("sgemm peak", None),
         ("noop", None),
@@ -116,33 +116,33 @@ def _run(progress, quick, thread_study):
         if progress is not None:
             progress(i, len(steps), label)
         if label == "sgemm peak":
-            res["peak"] = _sgemm_peak(timer)
+            res["peak"] = sgemm_peak(timer)
         elif label == "noop":
             x = np.zeros((1, 1024), np.float32)
             y = np.zeros((1, 1024), np.float32)
             noop = NoopLoraHook()
             res["noop"] = timer.median(lambda: apply_lora_rows(noop, 0, "q_proj", x, y, 1024, 1024))
         elif label.startswith(("decode", "prefill")):
-            res["single"][label] = _single(timer, rng, torch, F, *params, rounds=rounds)
+            res["single"][label] = single(timer, rng, torch, F, *params, rounds=rounds)
         elif label.startswith("server"):
-            res["server"][label] = _server_loop(timer, rng, *params)
+            res["server"][label] = server_loop(timer, rng, *params)
             threads.configure(blas_threads=None)
             try:
-                res["server_default"][label] = _server_loop(timer, rng, *params)
+                res["server_default"][label] = server_loop(timer, rng, *params)
             finally:
                 threads.configure(blas_threads=1)
         elif label.startswith("two threads"):
-            res["threads"] = _two_threads(timer, rng)
+            res["threads"] = two_threads(timer, rng)
         elif label.startswith("mixed"):
-            res["mixed"] = dict(_mixed(timer, rng, torch, rounds=rounds), label=label)
+            res["mixed"] = dict(mixed(timer, rng, torch, rounds=rounds), label=label)
         elif label.startswith("half"):
-            res.setdefault("half", {})[label[5:]] = _half(timer, rng, *params, rounds=rounds)
+            res.setdefault("half", {})[label[5:]] = half(timer, rng, *params, rounds=rounds)
         elif label.startswith("bind"):
-            res["bind"] = _bind_cost(rng, 3 if quick else 9)
+            res["bind"] = bind_cost(rng, 3 if quick else 9)
         elif label.startswith("generate"):
             res["generate"] = _generate_scenario(quick)
         elif label == "thread study":
-            res["thread_study"] = _thread_study(timer, rng)
+            res["thread_study"] = compare_thread_settings(timer, rng)
     if progress is not None:
         progress(len(steps), len(steps), "done")
     res["info"] = threads.info()

@@ -28,7 +28,7 @@ QWEN35_0_8B = {
 }
 
 
-class _Timer:
+class Timer:
     def __init__(self, budget, pause):
         self.budget = budget
         self.pause = pause
@@ -51,7 +51,7 @@ class _Timer:
         return float(np.median(samples))
 
 
-def _rng():
+def seeded_rng():
     return np.random.default_rng(1234)
 
 
@@ -62,7 +62,7 @@ def _layer(rng, d_in, d_out, rank, scale=2.0):
     return LoraLayer(a, b, scale)
 
 
-def _torch():
+def import_torch():
     try:
         import torch
         import torch.nn.functional as F
@@ -71,15 +71,15 @@ def _torch():
     return torch, F
 
 
-def _sgemm_peak(timer):
+def sgemm_peak(timer):
     from scipy.linalg import blas
     m = 1024
-    a = np.asfortranarray(_rng().standard_normal((m, m)).astype(np.float32))
+    a = np.asfortranarray(seeded_rng().standard_normal((m, m)).astype(np.float32))
     t = timer.median(lambda: blas.sgemm(1.0, a, a), min_samples=3)
     return 2.0 * m ** 3 / t / 1e9
 
 
-def _single(timer, rng, torch, F, n, d_in, d_out, rank, rounds=1):
+def single(timer, rng, torch, F, n, d_in, d_out, rank, rounds=1):
     from .. import LoraAdapter, apply_lora_rows
     layer = _layer(rng, d_in, d_out, rank)
     hook = LoraAdapter({(0, "q_proj"): layer})
@@ -108,7 +108,7 @@ def _single(timer, rng, torch, F, n, d_in, d_out, rank, rounds=1):
     return out
 
 
-def _half(timer, rng, n, d_in, d_out, rank, rounds=1):
+def half(timer, rng, n, d_in, d_out, rank, rounds=1):
     """One adapter on float32, bfloat16 and float16 rows, and a bfloat16 adapter, in rounds.
 
     bfloat16 rows go in as uint16 bit patterns through the entry lorahook.torch
@@ -134,7 +134,7 @@ def _half(timer, rng, n, d_in, d_out, rank, rounds=1):
     return _rounds(timer, contenders, rounds)
 
 
-def _server_loop(timer, rng, n_rows, n_layers):
+def server_loop(timer, rng, n_rows, n_layers):
     """Per projection: numpy base matmul, then the hook (rank 16 everywhere)."""
     from .. import LoraAdapter, Qwen35Config, apply_lora_rows
     cfg = Qwen35Config.from_dict(QWEN35_0_8B)
@@ -197,7 +197,7 @@ def _server_loop(timer, rng, n_rows, n_layers):
     return out
 
 
-def _two_threads(timer, rng, n_rows=128, d_in=1024, d_out=3584, rank=16):
+def two_threads(timer, rng, n_rows=128, d_in=1024, d_out=3584, rank=16):
     """Two Python threads calling at once vs one."""
     from .. import LoraAdapter, apply_lora_rows
     hook = LoraAdapter({(0, "up_proj"): _layer(rng, d_in, d_out, rank)})
@@ -239,7 +239,7 @@ def _rounds(timer, contenders, rounds):
     return {name: float(np.median(v)) for name, v in blocks.items()}
 
 
-def _mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=16, rounds=1):
+def mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=16, rounds=1):
     try:
         from ..adapter_set import AdapterSet
     except ImportError:
@@ -309,18 +309,18 @@ def _mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=
     return out
 
 
-def _thread_study(timer, rng):
+def compare_thread_settings(timer, rng):
     """The same cases with SciPy's BLAS on one thread and on every core."""
     from .. import threads
     cores = os.cpu_count() or 1
-    timer = _Timer(budget=min(timer.budget, 0.15), pause=timer.pause)
+    timer = Timer(budget=min(timer.budget, 0.15), pause=timer.pause)
     rows = []
     for blas in dict.fromkeys((1, cores)):
         threads.configure(blas_threads=blas)
-        lone = _single(timer, rng, None, None, 512, 4096, 4096, 16)["lorahook"]
-        dec = _single(timer, rng, None, None, 1, 4096, 4096, 64)["lorahook"]
-        loop = _server_loop(timer, rng, 128, 4)
-        two = _two_threads(timer, rng)
+        lone = single(timer, rng, None, None, 512, 4096, 4096, 16)["lorahook"]
+        dec = single(timer, rng, None, None, 1, 4096, 4096, 64)["lorahook"]
+        loop = server_loop(timer, rng, 128, 4)
+        two = two_threads(timer, rng)
         rows.append((blas, lone, dec, loop["base"], loop["hooked"], two["one"], two["two"]))
     threads.configure(blas_threads=1)
     return rows
@@ -351,7 +351,7 @@ def bind_cost_setup(rng, n_rows=256, n_adapters=8, rank=16):
     return adapters, names, one_pass
 
 
-def _bind_cost(rng, rounds):
+def bind_cost(rng, rounds):
     """``bind`` + one pass over every projection, against a pass with a batch bound earlier."""
     adapters, names, one_pass = bind_cost_setup(rng)
     bound = adapters.bind(names)

@@ -32,7 +32,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .. import _load
+from .._load import aligned_floats, read_plan
 
 from .._values import short
 from ..errors import LoraFormatError
@@ -322,7 +322,7 @@ _HUGEPAGES = _numpy_advises_hugepages()
 
 
 def _plan(tensors, data_start: int, wanted: tuple, transposed: tuple):
-    """What :func:`_load.read_plan` is given to read ``wanted`` of a checked header.
+    """What :func:`read_plan` is given to read ``wanted`` of a checked header.
 
     Returns ``(plan, names in file order, {name: (start, count, shape)}, total values)``;
     the plan is read-only.  Raises :class:`LoraFormatError` (without the file's name).
@@ -430,12 +430,12 @@ class SafetensorsFile:
                                                    lambda: _plan(tensors, data_start, wanted, flip))
         except LoraFormatError as exc:
             raise LoraFormatError(f"{path}: {exc}") from None
-        buffer = _load.aligned_floats(start, _HUGEPAGES)
+        buffer = aligned_floats(start, _HUGEPAGES)
         bad = np.zeros(len(order), dtype=np.int64)
         fd = self._file.fileno()
         if os.fstat(fd).st_size != file_size:
             raise LoraFormatError(f"{path}: the file changed size while it was being read")
-        status, detail = _load.read_plan(fd, plan, buffer, bad, _SCRATCH_BYTES, _RUN_BYTES,
+        status, detail = read_plan(fd, plan, buffer, bad, _SCRATCH_BYTES, _RUN_BYTES,
                                          _MAX_RUN)
         if status == 1:
             raise LoraFormatError(

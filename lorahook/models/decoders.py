@@ -92,7 +92,7 @@ def _paths(family: str, layout: str, **extra: Any) -> PathRules:
 
 
 @dataclass(frozen=True)
-class _DecoderConfig(ModelGeometry):
+class DecoderConfig(ModelGeometry):
     """Shared body of the Llama-style config classes (see the module docstring)."""
 
     hidden_size: int
@@ -170,7 +170,7 @@ class _DecoderConfig(ModelGeometry):
         return config, ""
 
     @classmethod
-    def from_dict(cls, config: Mapping) -> "_DecoderConfig":
+    def from_dict(cls, config: Mapping) -> "DecoderConfig":
         """Build from a parsed Hugging Face ``config.json`` (see the module docstring for
         what may be left out). Unknown fields are ignored."""
         where = f"{cls.FAMILY} config"
@@ -216,7 +216,7 @@ class _DecoderConfig(ModelGeometry):
         return positive_int(value, prefix + name, where)
 
     @classmethod
-    def from_json(cls, path: "str | os.PathLike") -> "_DecoderConfig":
+    def from_json(cls, path: "str | os.PathLike") -> "DecoderConfig":
         """Read a ``config.json`` file (or the ``config.json`` in a model directory)."""
         return cls.from_dict(read_json_config(path))
 
@@ -298,7 +298,7 @@ class _DecoderConfig(ModelGeometry):
 
 
 @dataclass(frozen=True)
-class LlamaConfig(_DecoderConfig):
+class LlamaConfig(DecoderConfig):
     """Llama (``model_type`` ``llama``): ``head_dim`` and ``num_key_value_heads`` may be left
     out or ``null`` (``hidden_size // num_attention_heads``, ``num_attention_heads``)."""
 
@@ -313,7 +313,7 @@ class LlamaConfig(_DecoderConfig):
 
 
 @dataclass(frozen=True)
-class MistralConfig(_DecoderConfig):
+class MistralConfig(DecoderConfig):
     """Mistral (``mistral``): ``head_dim`` may be left out or ``null``; ``num_key_value_heads``
     may be ``null`` but not absent (transformers would fill in 8)."""
 
@@ -328,7 +328,7 @@ class MistralConfig(_DecoderConfig):
 
 
 @dataclass(frozen=True)
-class Qwen2Config(_DecoderConfig):
+class Qwen2Config(DecoderConfig):
     """Qwen2 / Qwen2.5 (``qwen2``): ``head_dim`` may be absent (``hidden_size //
     num_attention_heads``); ``num_key_value_heads`` may be ``null`` but not absent
     (transformers would fill in 32)."""
@@ -343,7 +343,7 @@ class Qwen2Config(_DecoderConfig):
 
 
 @dataclass(frozen=True)
-class Qwen3Config(_DecoderConfig):
+class Qwen3Config(DecoderConfig):
     """Qwen3 (``qwen3``): ``head_dim`` is required (transformers would fill in 128);
     ``num_key_value_heads`` may be ``null`` but not absent (transformers would fill in 32)."""
 
@@ -355,7 +355,7 @@ class Qwen3Config(_DecoderConfig):
 
 
 @dataclass(frozen=True)
-class GemmaConfig(_DecoderConfig):
+class GemmaConfig(DecoderConfig):
     """Gemma (``gemma``): ``head_dim`` and ``num_key_value_heads`` are required (transformers
     would fill in 256 and 16, the 7B values)."""
 
@@ -366,7 +366,7 @@ class GemmaConfig(_DecoderConfig):
 
 
 @dataclass(frozen=True)
-class Gemma2Config(_DecoderConfig):
+class Gemma2Config(DecoderConfig):
     """Gemma 2 (``gemma2``): ``head_dim`` and ``num_key_value_heads`` are required
     (transformers would fill in 256 and 4, the 2B values)."""
 
@@ -377,7 +377,7 @@ class Gemma2Config(_DecoderConfig):
 
 
 @dataclass(frozen=True)
-class Gemma3TextConfig(_DecoderConfig):
+class Gemma3TextConfig(DecoderConfig):
     """The Gemma 3 text decoder: flat (``gemma3_text``, e.g. Gemma 3 1B) or nested under
     ``text_config`` of a multimodal ``gemma3`` file (4B and up).
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Tuple
 
-from .decoders import _DecoderConfig
+from .decoders import DecoderConfig
 from .paths import PathRules, decoder_model_paths
 
 __all__ = ["Phi3Config", "PHI3_MODULES"]
@@ -34,7 +34,7 @@ PHI3_MODULES: Tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_pro
 
 
 @dataclass(frozen=True)
-class Phi3Config(_DecoderConfig):
+class Phi3Config(DecoderConfig):
     """Phi-3 (``model_type`` ``phi3``), e.g. Phi-3-mini, Phi-3-medium, Phi-3.5-mini, Phi-4-mini."""
 
     FAMILY: ClassVar[str] = "Phi-3"

@@ -43,7 +43,7 @@ def _punica(wrapper, call, y, x, a, b, scale) -> None:
     if target is None:
         raise RuntimeError("lorahook: the tensor given as the punica wrapper's handle is no "
                            "live wrapper's in this process")
-    target._run(_METHODS[call & 7], y, x, a, b, scale, None, call >> 4, bool(call & 8))
+    target.run_call(_METHODS[call & 7], y, x, a, b, scale, None, call >> 4, bool(call & 8))
 
 
 def _punica_fake(wrapper, call, y, x, a, b, scale) -> None:

@@ -236,9 +236,9 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
             torch.ops.lorahook.punica(self._handle, pack_call(method, offset, add), y, x, list(a),
                                       list(b), float(scale))
         else:
-            self._run(method, y, x, a, b, scale, slices, offset, add)
+            self.run_call(method, y, x, a, b, scale, slices, offset, add)
 
-    def _run(self, method: str, y, x, a, b, scale, slices, offset, add) -> None:
+    def run_call(self, method: str, y, x, a, b, scale, slices, offset, add) -> None:
         """``method`` on lorahook's kernels over the step's rows, or on vLLM's own op.
 
         A step without an adapter row returns at once; a call a kernel raises
@@ -300,7 +300,7 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
                 apply_pairs(rows, xa, ya, pairs.pairs, scale, add=add, half=pairs.half,
                             team=self._team)
         else:
-            if isinstance(pairs, SlotTable):  # rows of another dtype: see _run
+            if isinstance(pairs, SlotTable):  # rows of another dtype: see run_call
                 raise Fallback
             kind = "linear (apply_slots)"
             half = []

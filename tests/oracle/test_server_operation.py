@@ -210,11 +210,11 @@ def test_sigterm_drains_then_stops_with_exit_0(local_server, files):
 
 
 class Driver:
-    """``tests/ray_driver.py`` in a process of its own: a loopback cluster, driven by commands."""
+    """``tests/support/ray_driver.py`` in a process of its own: a loopback cluster, driven by commands."""
 
     def __init__(self, nodes, port=None):
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **LOOPBACK)
-        argv = [sys.executable, os.path.join(HERE, "..", "ray_driver.py"), str(nodes)]
+        argv = [sys.executable, os.path.join(HERE, "..", "support", "ray_driver.py"), str(nodes)]
         self.proc = subprocess.Popen(argv + ([str(port)] if port else []), cwd=HERE, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)

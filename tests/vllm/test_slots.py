@@ -4,7 +4,7 @@ vLLM's layer classes are stood in for by a miniature of one (the same
 ``create_lora_weights`` / ``set_lora`` / ``reset_lora`` code shape as vLLM's
 merged column-parallel layer, under its name), so the table, the recorders
 and the in-place layout of ``B`` are tested here without an engine; the real
-classes run in tests/test_vllm_engine.py.  Results against float64.
+classes run in tests/vllm/test_engine.py.  Results against float64.
 """
 import types
 

@@ -20,7 +20,7 @@ from lorahook.models import (
     load_model_config,
 )
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
+CONFIGS = Path(__file__).parent.parent / "data" / "configs"
 
 # Published geometry (issue table): hidden, layers, heads, kv heads, linear value heads,
 # intermediate (None for MoE), tie_word_embeddings. head_dim 256, linear key heads 16,

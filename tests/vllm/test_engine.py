@@ -1,6 +1,6 @@
 """lorahook inside a real vLLM engine: greedy tokens against vLLM's own kernels and PEFT.
 
-Each engine runs in a process of its own (tests/vllm_run.py); engine starts
+Each engine runs in a process of its own (tests/support/vllm_run.py); engine starts
 are few and shared by module-scoped fixtures.  A missing vLLM skips this
 module, or fails it with LORAHOOK_REQUIRE_VLLM=1.
 """
@@ -47,7 +47,7 @@ def files():
 
 
 def run(spec, **env):
-    """tests/vllm_run.py on ``spec`` in a fresh process; its answer and output."""
+    """tests/support/vllm_run.py on ``spec`` in a fresh process; its answer and output."""
     return launch(spec, env, timeout=900)
 
 

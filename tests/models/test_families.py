@@ -41,7 +41,7 @@ from lorahook.models import (
     module_path,
 )
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
+CONFIGS = Path(__file__).parent.parent / "data" / "configs"
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")

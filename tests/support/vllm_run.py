@@ -1,6 +1,6 @@
 """Run vLLM once, as a test or the benchmark asks, in a process of its own.
 
-``python tests/vllm_run.py SPEC.json`` reads a spec (mode ``offline`` or
+``python tests/support/vllm_run.py SPEC.json`` reads a spec (mode ``offline`` or
 ``server``, the model, the adapters, the requests) and prints one line
 ``RESULT {json}``: each request's greedy tokens and top log-probabilities,
 the punica wrapper vLLM used, and requests per second.  Mode ``bursts``
