@@ -37,7 +37,6 @@ MODULES = {
     "_load": {},
     "_slot_rows": {},
     "_slot_pairs": LIBDL,
-    "_testing": {},
 }
 
 extensions = [

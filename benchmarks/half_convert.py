@@ -10,12 +10,18 @@ per conversion), reported per call and as the portable path's time divided
 by the path's time.  The conversions run on the calling thread only.
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 
-from lorahook import _halfconv, _testing
+from lorahook import _halfconv
+
+# the compiled entry points the tests build (tests/support/testing_core.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
+from testing_core import core as _testing  # noqa: E402
 
 SIZES = (("decode 1024", 1024), ("prefill 256x3584", 256 * 3584))
 KINDS = ("float16", "bfloat16")

@@ -26,32 +26,16 @@ from . import threads
 __version__ = "0.2.0"
 
 __all__ = [
-    "LoraHook",
-    "NoopLoraHook",
-    "apply_lora_rows",
-    "apply_lora_embedding",
-    "SavedModule",
-    "LoraLayer",
-    "LoraAdapter",
-    "blend",
-    "LoraValidationError",
-    "LoraFormatError",
-    "LoraCapacityError",
-    "ModelGeometry",
-    "load_model_config",
-    "Qwen35Config",
-    "BertConfig",
-    "LlamaConfig",
-    "MistralConfig",
-    "Qwen2Config",
-    "Qwen3Config",
-    "GemmaConfig",
-    "Gemma2Config",
-    "Gemma3TextConfig",
-    "Phi3Config",
-    "AdapterSet",
-    "BoundBatch",
-    "BoundSequences",
-    "threads",
-    "DEBUG_BUILD",
+    # the hook contract
+    "LoraHook", "NoopLoraHook", "apply_lora_rows", "apply_lora_embedding",
+    # adapters
+    "LoraLayer", "LoraAdapter", "SavedModule", "blend",
+    "LoraValidationError", "LoraFormatError", "LoraCapacityError",
+    # model geometry
+    "ModelGeometry", "load_model_config", "Qwen35Config", "BertConfig", "LlamaConfig",
+    "MistralConfig", "Qwen2Config", "Qwen3Config", "GemmaConfig", "Gemma2Config",
+    "Gemma3TextConfig", "Phi3Config",
+    # many adapters
+    "AdapterSet", "BoundBatch", "BoundSequences",
+    "threads", "DEBUG_BUILD",
 ]

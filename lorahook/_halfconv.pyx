@@ -91,18 +91,7 @@ def widen(src, kind):
     and becomes quiet (bit 22 set).  The GIL is released during the
     conversion.
     """
-    cdef int k = half_kind(kind)
-    cdef cnp.ndarray a = half_array(src, np.uint16, "src")
-    out = np.empty((<object>a).shape, dtype=np.float32)
-    cdef size_t n = <size_t>a.size
-    cdef const uint16_t *s
-    cdef float *d
-    if n:
-        s = <const uint16_t *>cnp.PyArray_DATA(a)
-        d = <float *>cnp.PyArray_DATA(out)
-        with nogil:
-            lorahook_half_widen(s, d, n, k)
-    return out
+    return _convert(src, kind, True)
 
 
 def narrow(src, kind):
@@ -117,17 +106,23 @@ def narrow(src, kind):
     ``(bits >> 16) | 0x0040``.  Every path gives the same bits.  The GIL is
     released during the conversion.
     """
+    return _convert(src, kind, False)
+
+
+cdef object _convert(object src, object kind, bint up):
+    """``src`` widened (``up``) or narrowed into a new array of its shape, without the GIL."""
     cdef int k = half_kind(kind)
-    cdef cnp.ndarray a = half_array(src, np.float32, "src")
-    cdef cnp.ndarray out = np.empty((<object>a).shape, dtype=np.uint16)
+    cdef cnp.ndarray a = half_array(src, np.uint16 if up else np.float32, "src")
+    cdef cnp.ndarray out = np.empty((<object>a).shape, dtype=np.float32 if up else np.uint16)
     cdef size_t n = <size_t>a.size
-    cdef const float *s
-    cdef uint16_t *d
+    cdef const void *s = cnp.PyArray_DATA(a)
+    cdef void *d = cnp.PyArray_DATA(out)
     if n:
-        s = <const float *>cnp.PyArray_DATA(a)
-        d = <uint16_t *>cnp.PyArray_DATA(out)
         with nogil:
-            lorahook_half_narrow(s, d, n, k)
+            if up:
+                lorahook_half_widen(<const uint16_t *>s, <float *>d, n, k)
+            else:
+                lorahook_half_narrow(<const float *>s, <uint16_t *>d, n, k)
     return out
 
 

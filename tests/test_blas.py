@@ -1,4 +1,4 @@
-"""The row-major BLAS shim (``_blas.pxd``) against numpy in float64, through ``lorahook._testing``.
+"""The row-major BLAS shim (``_blas.pxd``) against numpy in float64, through the tests' compiled entry points (``tests/support/_testing.pyx``).
 
 Every kernel product goes through these four helpers, so each is checked on
 its own: both transposition flags, contiguous rows and rows with a padded
@@ -8,7 +8,7 @@ row-major matrices of the transposed shape and reach the shim as such.
 import numpy as np
 import pytest
 
-from lorahook import _testing
+from testing_core import core as _testing
 
 RTOL, ATOL = 2e-5, 2e-5
 

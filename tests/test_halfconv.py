@@ -18,7 +18,8 @@ import threading
 import numpy as np
 import pytest
 
-from lorahook import _halfconv, _testing
+from lorahook import _halfconv
+from testing_core import core as _testing
 
 try:
     import ml_dtypes

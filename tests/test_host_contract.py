@@ -8,7 +8,8 @@ import pickle
 import numpy as np
 import pytest
 
-from lorahook import AdapterSet, apply_lora_rows, _kernels, LoraAdapter, LoraLayer, _testing
+from lorahook import AdapterSet, apply_lora_rows, _kernels, LoraAdapter, LoraLayer
+from testing_core import core as _testing
 
 
 def _layer(rng, d_in, d_out, rank=4, scale=0.5, bias=False):

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from lorahook import LoraAdapter, LoraHook, LoraLayer, NoopLoraHook, apply_lora_rows
-from lorahook import _kernels, _segments, _testing
+from lorahook import _kernels, _segments
+from testing_core import core as _testing
 
 D_IN, D_OUT, RANK, N = 6, 5, 3, 4
 KEY = (2, "v_proj")
@@ -481,7 +482,8 @@ def test_huge_row_count_with_empty_buffers_does_not_crash():
     """A row count whose product with the width wraps must be refused (in a child, in case it crashes)."""
     code = textwrap.dedent("""
         import numpy as np
-        from lorahook import _kernels, LoraLayer, _testing
+        from lorahook import _kernels, LoraLayer
+        from testing_core import core as _testing
         k = LoraLayer(np.ones((2, 4), np.float32), np.ones((4, 2), np.float32))._kernel
         e = np.zeros(0, np.float32)
         for n in (2**62, 2**63 - 1, 2**62 + 2**61):
@@ -506,8 +508,9 @@ def test_huge_row_count_with_empty_buffers_does_not_crash():
                 raise SystemExit("apply_groups accepted width %d" % d)
         print("ok")
     """)
+    # run where the tests' compiled entry points are importable (tests/support)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
+                          cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
     assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -559,7 +562,8 @@ def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
     code = textwrap.dedent("""
         import gc
         import numpy as np
-        from lorahook import _kernels, _segments, _testing
+        from lorahook import _kernels, _segments
+        from testing_core import core as _testing
         x = np.ones((4, 8), np.float32)
         k = _kernels.LayerKernel(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 1.0)
         rows = np.array([0, 1], np.int32)
@@ -583,6 +587,7 @@ def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
             rows[1] = 1
         print("ok")
     """)
+    # run where the tests' compiled entry points are importable (tests/support)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
+                          cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
     assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)

@@ -175,6 +175,18 @@ def test_no_source_file_of_the_package_is_over_a_thousand_lines():
     assert not long, long
 
 
+def test_no_compiled_module_is_over_six_hundred_lines():
+    sources = [p for p in ROOT.glob("*") if p.suffix in (".pyx", ".pxd", ".h")]
+    assert len(sources) > 10
+    long = {p.name: n for p in sources
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
+    assert not long, long
+
+
+def test_the_test_only_compiled_module_is_not_part_of_the_package():
+    assert not list(ROOT.glob("_testing*")), "tests/support/_testing.pyx is built by the tests"
+
+
 def test_every_subpackage_is_listed_for_the_wheel():
     """pyproject.toml lists packages by hand: a subpackage left out would be missing from the wheel."""
     tomllib = pytest.importorskip("tomllib")

@@ -15,7 +15,8 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from lorahook import AdapterSet, LoraAdapter, LoraHook, LoraLayer, apply_lora_rows
-from lorahook import _segments, _testing
+from lorahook import _segments
+from testing_core import core as _testing
 
 MODULE = "q_proj"
 LAYER = 3

@@ -1,7 +1,7 @@
 # cython: language_level=3
-"""Entry points of the compiled core for tests and benchmarks only.
+"""Entry points of the compiled core for tests and benchmarks only (not part of lorahook).
 
-Nothing in the package calls these; they expose kernels and conversions in
+Built by ``testing_core.py`` against the lorahook under test; nothing in the package calls these; they expose kernels and conversions in
 shapes a test or a timing loop needs (a list of groups applied at once, a
 conversion repeated without a Python call per pass, the state of the vector
 registers after a conversion, the row-major BLAS helpers of ``_blas.pxd``
