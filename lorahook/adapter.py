@@ -550,22 +550,24 @@ def base_lookup(weights):
 # What the rest of the package reads of an adapter (the adapter store, the
 # resolver), offered here rather than read from its private state.
 
-class StoreFacts(NamedTuple):
-    """What an adapter store keeps of an adapter, computed once at install."""
+class StoreEntry(NamedTuple):
+    """An adapter as an adapter store keeps it, with what binding needs, computed once."""
 
-    #: ``id -> nbytes`` of every array the adapter keeps
+    adapter: "LoraAdapter"
+    #: ``id -> nbytes`` of every array the adapter keeps, for the store's byte count
     arrays: dict
-    #: the distinct float32 scales of the kernels that apply something
+    #: the distinct scales of the kernels that apply something (float32 values, as the
+    #: core keys them): a batch's per-row scales are multiplied by each once, at bind time
     layer_scales: tuple
     #: DoRA layers and saved modules are not linear in the scale: rows take 0 or 1
-    row_exact: bool
+    exact: bool
 
 
-def store_facts(adapter):
-    """The :class:`StoreFacts` of ``adapter``."""
+def store_entry(adapter):
+    """The :class:`StoreEntry` of ``adapter``."""
     scales = {layer_kernel(layer).scale for layer in adapter._layers.values() if layer.rank > 0}
     scales.update(saved_kernel(module).scale for module in adapter._saved.values())
-    return StoreFacts({id(arr): arr.nbytes for arr in adapter._all_arrays()},
+    return StoreEntry(adapter, {id(arr): arr.nbytes for arr in adapter._all_arrays()},
                       tuple(sorted(scales)), adapter._row_exact)
 
 

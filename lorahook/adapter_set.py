@@ -19,13 +19,15 @@ immutable, so a bound batch can be applied from several threads at once.
 """
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from types import MappingProxyType
 
 from .threads import look_ahead
 from ._values import describe, is_int
-from .adapter import base_lookup, store_facts
-from .bound import bound_batch, bound_sequences, group_units, refuse_unknown, unit_factors
+from ._capacity import evict_to_fit, nbytes
+from .adapter import base_lookup, store_entry
+from .bound import bound_batch, bound_sequences, checked_names, group_units, refuse_unknown
+from .bound import unit_factors
 from .errors import LoraCapacityError
 from .resolver import Load, check_adapter, check_lookup_name, check_name, check_resolver, resolve
 
@@ -43,32 +45,6 @@ def _check_model(model):
             f"model must be a lorahook.ModelGeometry (Qwen35Config, BertConfig, LlamaConfig, ...) "
             f"or None, got {type(model).__name__}")
     return model
-
-
-def _nbytes(entries):
-    """Bytes of the installed entries' arrays, an array shared between adapters counted once."""
-    seen = {}
-    for entry in entries:
-        seen.update(entry.arrays)
-    return int(sum(seen.values()))
-
-
-class _Installed:
-    """An installed adapter with what binding needs, computed once at install."""
-
-    __slots__ = ("adapter", "layer_scales", "arrays", "exact")
-
-    def __init__(self, adapter):
-        self.adapter = adapter
-        facts = store_facts(adapter)
-        # id -> nbytes of every array the adapter keeps, for the set's byte count
-        self.arrays = facts.arrays
-        # The distinct scales of the kernels that apply something (float32
-        # values, as the core keys them): a batch's per-row scales are
-        # multiplied by each of them once, at bind time.
-        self.layer_scales = facts.layer_scales
-        # DoRA layers and saved modules are not linear in the scale: rows take 0 or 1
-        self.exact = facts.row_exact
 
 
 class AdapterSet:
@@ -160,7 +136,7 @@ class AdapterSet:
             base_lookup(base_weights)
         self._base_weights = base_weights
         self._lock = threading.Lock()
-        # name -> _Installed; never mutated, only replaced as a whole.
+        # name -> StoreEntry (lorahook.adapter); never mutated, only replaced as a whole.
         self._installed = _EMPTY
         # resident names, least recently used first (values unused)
         self._lru = OrderedDict()
@@ -181,7 +157,7 @@ class AdapterSet:
     @property
     def nbytes(self):
         """Bytes of the resident adapters' arrays, each array counted once (an ``int``)."""
-        return _nbytes(self._installed.values())
+        return nbytes(self._installed.values())
 
     def _prepare(self, name, adapter):
         check_name(name)
@@ -195,7 +171,7 @@ class AdapterSet:
         base = self._base_weights
         if base is not None and adapter.needs_base:
             adapter = adapter.with_base(base)
-        return _Installed(adapter)
+        return store_entry(adapter)
 
     @property
     def base_weights(self):
@@ -217,7 +193,7 @@ class AdapterSet:
             return
         for name, entry in list(self._installed.items()):
             if entry.adapter.needs_base:
-                based = _Installed(entry.adapter.with_base(weights))
+                based = store_entry(entry.adapter.with_base(weights))
                 with self._lock:
                     if self._installed.get(name) is entry:
                         self._commit({name: based}, protect=(name,))
@@ -225,7 +201,7 @@ class AdapterSet:
     # --- the resident set (callers hold the lock) -----------------------------
 
     def _commit(self, changes, protect=()):
-        """Install / remove ``changes`` (name -> _Installed or None), evicting to fit.
+        """Install / remove ``changes`` (name -> StoreEntry or None), evicting to fit.
 
         Checks the capacity first and changes nothing when it cannot be met;
         ``protect`` names are never evicted (a bind's own adapters).
@@ -239,32 +215,7 @@ class AdapterSet:
         evicted = []
         if self._capacity is not None:
             keep = set(protect) | set(n for n, e in changes.items() if e is not None)
-            need = _nbytes(new[n] for n in keep if n in new)
-            pinned = sorted(n for n in self._pinned if n in new and n not in keep)
-            # together: arrays the kept adapters share with pinned ones count once
-            total = _nbytes(new[n] for n in keep.union(pinned) if n in new)
-            if total > self._capacity:
-                error = LoraCapacityError(
-                    f"adapters {sorted(keep)} need {need} bytes; with the pinned {pinned} "
-                    f"they need {total} bytes and cannot fit in "
-                    f"capacity_bytes={self._capacity}; nothing was evicted")
-                error.nbytes = need  # what the adapters need alone: more than the capacity
-                raise error          # means they can never fit
-            # bytes per array and how many resident adapters share it: an
-            # eviction frees only the arrays no other adapter keeps
-            users = Counter(i for entry in new.values() for i in entry.arrays)
-            sizes = {i: b for entry in new.values() for i, b in entry.arrays.items()}
-            total = sum(sizes.values())
-            for name in list(self._lru):
-                if total <= self._capacity:
-                    break
-                if name in keep or name in self._pinned or name not in new:
-                    continue
-                for i in new.pop(name).arrays:
-                    users[i] -= 1
-                    if not users[i]:
-                        total -= sizes[i]
-                evicted.append(name)
+            evicted = evict_to_fit(new, keep, self._pinned, self._lru, self._capacity)
         self._installed = MappingProxyType(new)
         for name in evicted:
             self._lru.pop(name, None)
@@ -539,7 +490,7 @@ class AdapterSet:
         with self._lock:
             installed = self._installed
             out = dict(self._stats)
-            out.update(resident=len(installed), nbytes=_nbytes(installed.values()),
+            out.update(resident=len(installed), nbytes=nbytes(installed.values()),
                        capacity_bytes=self._capacity, pinned=len(self._pinned),
                        loading=len(self._loading))
         return out
@@ -633,18 +584,7 @@ class AdapterSet:
         with a non-zero scale, ``(name, adapter, {kernel scale: (scale,
         unit indices or None, unit scales or None)})``.
         """
-        if isinstance(unit_names, (str, bytes)) or not hasattr(unit_names, "__len__"):
-            raise TypeError(
-                f"{what} must be a sequence of adapter names or None, "
-                f"got {type(unit_names).__name__}")
-        names = tuple(unit_names)
-        for i, name in enumerate(names):
-            if name is None:
-                continue
-            if not isinstance(name, str):
-                raise TypeError(
-                    f"{what}[{i}] must be an adapter name (str) or None, "
-                    f"got {type(name).__name__} ({name!r})")
+        names = checked_names(unit_names, what)
         used = tuple(dict.fromkeys(n for n in names if n is not None))
         # the scales are checked before anything is loaded: a refused bind changes nothing
         factors = unit_factors(scales, names, set(used).union(self._installed), what, unit)

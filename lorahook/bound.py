@@ -267,6 +267,21 @@ class BoundSequences(_Bound):
                 f"adapters {sorted(self._adapters)!r})")
 
 
+def checked_names(unit_names, what):
+    """``unit_names`` as a tuple: a sequence of adapter names (``str``) or ``None``, per unit."""
+    if isinstance(unit_names, (str, bytes)) or not hasattr(unit_names, "__len__"):
+        raise TypeError(
+            f"{what} must be a sequence of adapter names or None, "
+            f"got {type(unit_names).__name__}")
+    names = tuple(unit_names)
+    for i, name in enumerate(names):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(
+                f"{what}[{i}] must be an adapter name (str) or None, "
+                f"got {type(name).__name__} ({name!r})")
+    return names
+
+
 def bound_batch(names, parts):
     """The :class:`BoundBatch` of ``AdapterSet.bind``: one entry of ``names`` per row."""
     return BoundBatch._make(names, parts)
