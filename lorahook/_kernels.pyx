@@ -30,10 +30,8 @@ cnp.import_array()
 
 #: What a LayerKernel computes (its ``kind``): a linear LoRA layer (DoRA
 #: included), an embedding LoRA layer, a saved linear module, a saved embedding.
-LORA = KIND_LORA
-EMBEDDING = KIND_EMBEDDING
-SAVED_LINEAR = KIND_SAVED_LINEAR
-SAVED_EMBEDDING = KIND_SAVED_EMBEDDING
+LORA, EMBEDDING, SAVED_LINEAR, SAVED_EMBEDDING = (
+    KIND_LORA, KIND_EMBEDDING, KIND_SAVED_LINEAR, KIND_SAVED_EMBEDDING)
 
 # ---------------------------------------------------------------------------
 # adapter layers

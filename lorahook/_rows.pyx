@@ -111,10 +111,6 @@ def apply_lora_embedding(hook, layer_idx, module, ids, output, output_row_width=
     output_row_width : int, optional
         The embedding dimension; needed for a 1-D ``output``.
 
-    Returns
-    -------
-    None
-
     Raises
     ------
     TypeError
@@ -205,10 +201,6 @@ def apply_lora_rows(hook, layer_idx, module, input, output, input_row_width=None
     input_row_width, output_row_width : int, optional
         ``d_in`` and ``d_out``.  Needed for 1-D buffers; for 2-D arrays they
         default to ``shape[1]``, and given ones are checked against it.
-
-    Returns
-    -------
-    None
 
     Raises
     ------

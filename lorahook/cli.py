@@ -24,7 +24,7 @@ import sys
 from ._command import EXIT_MISFIT, EXIT_OK, EXIT_USAGE, CommandError, adapter_files
 from ._command import describe_model, load_adapter, load_model, one_line, ranges_text
 from ._command import set_text, size_text, user_errors
-from .demo import cmd_demo
+from . import demo
 
 __all__ = ["main", "build_parser"]
 
@@ -189,14 +189,8 @@ def build_parser():
                                    "through every projection of every layer, check it against a "
                                    "float64 numpy reference and time it. With --adapter and "
                                    "--model, the same with your own files.")
-    p.add_argument("--adapter", action="append", metavar="DIR",
-                   help="a PEFT adapter directory or safetensors file (repeatable); needs --model")
-    p.add_argument("--model", metavar="CONFIG_JSON", help="the model's config.json (with --adapter)")
-    p.add_argument("--rows", type=int, default=64, help="rows in the batch (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--time", type=float, default=1.0, metavar="SECONDS",
-                   help="time budget for the speed measurement, 0 to skip (default 1)")
-    p.set_defaults(func=cmd_demo)
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.cmd_demo)
 
     from . import server
     p = sub.add_parser("serve", help="an OpenAI-compatible server for a model and its adapters",

@@ -14,11 +14,22 @@ import time
 from ._command import EXIT_MISFIT, EXIT_OK, CommandError, describe_model, load_adapter
 from ._command import load_model, one_line, ranges_text, set_text
 
-__all__ = ["cmd_demo"]
+__all__ = ["add_arguments", "cmd_demo"]
 
 #: Name of the embedded demo geometry (package data).
 DEMO_CONFIG = "qwen3_5_demo.json"
 
+
+
+def add_arguments(p):
+    """``lorahook demo``'s options, on the argparse parser ``p``."""
+    p.add_argument("--adapter", action="append", metavar="DIR",
+                   help="a PEFT adapter directory or safetensors file (repeatable); needs --model")
+    p.add_argument("--model", metavar="CONFIG_JSON", help="the model's config.json (with --adapter)")
+    p.add_argument("--rows", type=int, default=64, help="rows in the batch (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--time", type=float, default=1.0, metavar="SECONDS",
+                   help="time budget for the speed measurement, 0 to skip (default 1)")
 
 
 def _demo_config_path():
