@@ -27,6 +27,8 @@ cdef extern from "_scratch.h" nogil:
         LH_SCRATCH_PRODUCTS
         LH_SCRATCH_WEIGHTS
         LH_GATHER_CHUNK_ROWS
+        LH_BLOCK_FLOATS
+        LH_BLOCK_MIN_COLS
 
 cdef extern from *:
     """
@@ -126,13 +128,17 @@ cdef inline float seg_down(const Segment *s, Py_ssize_t k, int c, const float *X
     return 1.0
 
 
-cdef inline void seg_up(const Segment *s, int c, int d_out, float alpha, const float *tp,
-                        int ldt, float beta, float *out, int ldo) noexcept nogil:
-    """``out = alpha * tp B^T + beta * out`` for ``c`` rows (``out`` row stride ``ldo``)."""
+cdef inline void seg_up(const Segment *s, int c, Py_ssize_t o0, int ob, int d_out, float alpha,
+                        const float *tp, int ldt, float beta, float *out, int ldo) noexcept nogil:
+    """``out = alpha * tp B^T[:, o0:o0+ob] + beta * out`` for ``c`` rows (``out`` row stride ``ldo``).
+
+    Columns ``o0 .. o0+ob`` of the product: a block of ``B^T``'s columns, or of ``B``'s rows.
+    """
     if s.b_rows:
-        _blas.gemm(False, True, c, d_out, s.rank, alpha, tp, ldt, s.b, s.rank, beta, out, ldo)
+        _blas.gemm(False, True, c, ob, s.rank, alpha, tp, ldt, s.b + o0 * s.rank, s.rank, beta,
+                   out, ldo)
     else:
-        _blas.gemm(False, False, c, d_out, s.rank, alpha, tp, ldt, s.b, d_out, beta, out, ldo)
+        _blas.gemm(False, False, c, ob, s.rank, alpha, tp, ldt, s.b + o0, d_out, beta, out, ldo)
 
 
 cdef inline int gemm_rows(const Segment *s, const char *X, Py_ssize_t ldx, int xk, char *Y,
@@ -143,38 +149,53 @@ cdef inline int gemm_rows(const Segment *s, const char *X, Py_ssize_t ldx, int x
     ``X`` / ``Y`` hold rows of ``d_in`` / ``d_out`` values of kind ``xk`` /
     ``yk`` (``ROWS_*``) with row strides ``ldx`` / ``ldy`` (elements).  For
     each row ``r`` of the segment, its ``pre`` step, then ``y[r] += s_r * b
-    (a x[r])`` (``=`` without ``add``), then ``s_r * bias``; each 16-bit
-    output value is rounded once.  ``hp`` is the conversion path
-    (``_halfconv``).  Returns -1 without scratch memory.
+    (a x[r])`` (``=`` without ``add``; a segment with a ``pre`` step always
+    adds), then ``s_r * bias``; each 16-bit output value is rounded once.
+    ``hp`` is the conversion path (``_halfconv``).  Returns -1 without
+    scratch memory.
+
+    A chunk of rows that is one run of float32 input rows is read in place,
+    else gathered (widened) into scratch; its product with ``A`` is one
+    matrix product.  Into a run of float32 output rows the product with
+    ``B^T`` is one more; else the chunk's output is written back a block of
+    columns at a time (``LH_BLOCK_FLOATS`` floats for the chunk), so that a
+    block is read (widened), added to by one product and written (rounded)
+    while it is in cache.
     """
-    cdef Py_ssize_t n = s.n_rows, k, j, r, r0
-    cdef int rank = s.rank, q, owned = 0, lx, lt
+    cdef Py_ssize_t n = s.n_rows, k, j, r, r0, o0
+    cdef int rank = s.rank, q, ob, owned = 0, lx, lt
     if rank == 0 or n == 0:
         return 0
     cdef bint whole = rows_consecutive(s.rows, 0, n)
     cdef bint gather_x = xk != ROWS_F32 or not whole
     cdef bint scatter_y = yk != ROWS_F32 or not whole
-    # per row of a chunk: G (gathered input), T (the product with A), D (the output rows);
-    # R, one widened 16-bit output row
+    cdef bint reads_y = add or s.pre != PRE_NONE
+    # per row of a chunk: G (gathered input), T (the product with A); D, a block of the
+    # chunk's output rows
     cdef Py_ssize_t g_cols = d_in if gather_x else 0
     cdef Py_ssize_t t_cols = 0 if s.direct else rank
-    cdef Py_ssize_t d_cols = d_out if scatter_y else 0
-    cdef Py_ssize_t per_row = g_cols + t_cols + d_cols
-    cdef Py_ssize_t chunk = n
+    cdef Py_ssize_t per_row = g_cols + t_cols
+    cdef Py_ssize_t chunk = n, block = 0
     if per_row > 0 and chunk > <Py_ssize_t>LORAHOOK_SCRATCH_CACHE_FLOATS // per_row:
         chunk = <Py_ssize_t>LORAHOOK_SCRATCH_CACHE_FLOATS // per_row
     if (gather_x or scatter_y) and chunk > LH_GATHER_CHUNK_ROWS:
         chunk = LH_GATHER_CHUNK_ROWS
     if chunk < 1:
         chunk = 1
-    cdef float *G = lorahook_scratch_slot(<size_t>(chunk * per_row + d_out), LH_SCRATCH_PRODUCTS,
+    if scatter_y:
+        # wider blocks for higher ranks, whose product has more to do per block
+        block = LH_BLOCK_FLOATS * (1 + t_cols // 32) // chunk
+        if block < LH_BLOCK_MIN_COLS:
+            block = LH_BLOCK_MIN_COLS
+        if block > d_out:
+            block = d_out
+    cdef float *G = lorahook_scratch_slot(<size_t>(chunk * (per_row + block)), LH_SCRATCH_PRODUCTS,
                                           &owned)
     if G == NULL:
         return -1
     cdef float *T = G + chunk * g_cols
     cdef float *D = T + chunk * t_cols
-    cdef float *R = D + chunk * d_cols
-    cdef float alpha, sj
+    cdef float alpha
     cdef const float *xp
     cdef const float *tp
     cdef float *yr
@@ -205,32 +226,34 @@ cdef inline int gemm_rows(const Segment *s, const char *X, Py_ssize_t ldx, int x
             if s.pre != PRE_NONE:
                 for j in range(q):
                     seg_pre(s, yr + j * ldy, 0, d_out)
-            seg_up(s, q, d_out, alpha, tp, lt, 1.0 if add else 0.0, yr, <int>ldy)
+            seg_up(s, q, 0, d_out, d_out, alpha, tp, lt, 1.0 if reads_y else 0.0, yr, <int>ldy)
             if s.bias != NULL:
                 for j in range(q):
                     _blas.axpy(d_out, seg_scale(s, k + j), s.bias, yr + j * ldy)
             k += q
             continue
-        seg_up(s, q, d_out, alpha, tp, lt, 0.0, D, d_out)
-        for j in range(q):
-            r = seg_row(s, k + j)
-            sj = seg_scale(s, k + j)
-            if yk == ROWS_F32:
-                yr = <float *>Y + r * ldy
-            else:
-                yr = R
-                if add or s.pre != PRE_NONE:
-                    widen_on(hp, <const uint16_t *>Y + r * ldy, R, <size_t>d_out, hy)
-            if s.pre != PRE_NONE:
-                seg_pre(s, yr, 0, d_out)
-            if add or s.pre != PRE_NONE:
-                _blas.axpy(d_out, 1.0, D + j * d_out, yr)
-            else:
-                memcpy(yr, D + j * d_out, d_out * sizeof(float))
-            if s.bias != NULL:
-                _blas.axpy(d_out, sj, s.bias, yr)
-            if yk != ROWS_F32:
-                narrow_on(hp, R, <uint16_t *>Y + r * ldy, <size_t>d_out, hy)
+        o0 = 0
+        while o0 < d_out:
+            ob = <int>(block if d_out - o0 > block else d_out - o0)
+            if reads_y:  # the block of each output row, as float32, transformed
+                for j in range(q):
+                    r = seg_row(s, k + j)
+                    if yk == ROWS_F32:
+                        memcpy(D + j * ob, <const float *>Y + r * ldy + o0, ob * sizeof(float))
+                    else:
+                        widen_on(hp, <const uint16_t *>Y + r * ldy + o0, D + j * ob,
+                                 <size_t>ob, hy)
+                    seg_pre(s, D + j * ob, o0, ob)
+            seg_up(s, q, o0, ob, d_out, alpha, tp, lt, 1.0 if reads_y else 0.0, D, ob)
+            for j in range(q):  # each row's block written back, a 16-bit one rounded once
+                r = seg_row(s, k + j)
+                if s.bias != NULL:
+                    _blas.axpy(ob, seg_scale(s, k + j), s.bias + o0, D + j * ob)
+                if yk == ROWS_F32:
+                    memcpy(<float *>Y + r * ldy + o0, D + j * ob, ob * sizeof(float))
+                else:
+                    narrow_on(hp, D + j * ob, <uint16_t *>Y + r * ldy + o0, <size_t>ob, hy)
+            o0 += ob
         k += q
     if owned:
         free(G)

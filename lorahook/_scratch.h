@@ -32,6 +32,12 @@ enum {
    output rows through scratch: the chunk's rows stay in cache between the
    products and the scatter. */
 #define LH_GATHER_CHUNK_ROWS 256
+
+/* Floats of the block of a chunk's output rows written back through scratch
+   (a block of columns of every row of the chunk), kept in cache between the
+   read, the product and the write; and the narrowest block. */
+#define LH_BLOCK_FLOATS ((size_t)1 << 16)
+#define LH_BLOCK_MIN_COLS 16
 typedef struct { float *data[LORAHOOK_SCRATCH_SLOTS]; size_t len[LORAHOOK_SCRATCH_SLOTS]; } lorahook_buf;
 static pthread_key_t lorahook_key;
 static pthread_once_t lorahook_once = PTHREAD_ONCE_INIT;

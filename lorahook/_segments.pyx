@@ -7,12 +7,13 @@ d_in)``, ``B`` is ``(d_out, rank)``) the update is ``Y += s * (X A^T) B^T``:
 
 * below the crossover (:func:`get_gemm_crossover` rows) each row gets two
   matrix-vector products: ``t = A x`` then ``y += s * B t``;
-* at or above it, the rows go through :c:func:`~lorahook._lora_gemm.gemm_rows`:
-  two matrix-matrix products a chunk of rows at a time, rows that are not
-  one run in the batch gathered into scratch and scatter-added back;
-* half-precision rows at or above it are widened a chunk at a time and their
-  output a block of columns at a time, each value rounded once
-  (:c:func:`_run_half_batched`);
+* at or above it, the rows go through :c:func:`~lorahook._lora_gemm.gemm_rows`,
+  float32 and 16-bit rows alike: two matrix-matrix products a chunk of rows
+  at a time, rows that are not one run of float32 rows gathered (widened)
+  into scratch, and their output written back a block of columns at a time,
+  each 16-bit value rounded once;
+* 16-bit rows below the crossover are widened a chunk at a time into
+  float32 rows for the row loop, and rounded back once (:c:func:`_run_half_rows`);
 * an embedding segment gathers columns of ``A`` by id (:c:func:`run_embedding_segments`).
 
 ``B`` is kept in one layout only, ``B^T`` row-major (``(rank, d_out)``), so
@@ -133,73 +134,10 @@ cdef inline void _widen_rows(const Segment *s, Py_ssize_t k, int c, const uint16
         widen_on(hp, src + seg_row(s, k + j) * width, dst + j * width, width, hk)
 
 
-# Half-precision batches: rows per chunk, and the floats of one block of the
-# delta (a block of output columns for every row of a chunk), kept in L1/L2;
-# below the crossover, the floats of one chunk's widened input and output rows.
+# Half-precision rows below the crossover: the floats of one chunk's widened
+# input and output rows.
 cdef enum:
-    _HALF_CHUNK_ROWS = 32
-    _HALF_BLOCK_FLOATS = 4096
     _HALF_ROWS_CHUNK_FLOATS = 1 << 18
-
-
-cdef int _run_half_batched(const Segment *s, const uint16_t *X, uint16_t *Y, int d_in, int d_out,
-                           int hk, int hp) noexcept nogil:
-    """Half-precision rows at or above the crossover, the output never widened whole.
-
-    Per chunk of ``_HALF_CHUNK_ROWS`` rows: the input rows are widened into
-    scratch and ``T = X A^T`` is one product; then, a block of output columns
-    at a time, the rows' block of the output is widened into ``D``,
-    ``D += s * T B_block^T`` and each row's block is rounded back once.  ``D``
-    stays in L1 (blocks widen with the rank, whose product has more to do);
-    ``s`` holds float32 weights.
-    """
-    cdef int rank = s.rank
-    cdef Py_ssize_t n = s.n_rows, k, j, r, o0
-    cdef int c, ob, block, owned = 0, lt
-    cdef float alpha
-    cdef const float *tp
-    # more rows per chunk and wider blocks for higher ranks, where each product
-    # has more to do; rank 16: 32 rows, blocks of 128 output columns
-    cdef int grow = 1 + (rank - 1) // 16
-    if grow > 8:
-        grow = 8
-    cdef Py_ssize_t chunk = _HALF_CHUNK_ROWS * grow
-    if chunk > n:
-        chunk = n
-    block = <int>(_HALF_BLOCK_FLOATS * grow // chunk)
-    if block > d_out:
-        block = d_out
-    if block < 16:
-        block = 16 if d_out >= 16 else d_out
-    cdef float *G = lorahook_scratch_slot(
-        <size_t>chunk * (<size_t>d_in + rank + block), LH_SCRATCH_PRODUCTS, &owned)
-    if G == NULL:
-        return -1
-    cdef float *T = G + chunk * d_in
-    cdef float *D = T + chunk * rank
-    k = 0
-    while k < n:
-        c = <int>(chunk if n - k > chunk else n - k)
-        _widen_rows(s, k, c, X, d_in, G, hk, hp)
-        alpha = seg_down(s, k, c, G, d_in, d_in, T, &tp, &lt)
-        o0 = 0
-        while o0 < d_out:
-            ob = <int>(block if d_out - o0 > block else d_out - o0)
-            for j in range(c):  # the block of each output row, widened
-                widen_on(hp, Y + seg_row(s, k + j) * d_out + o0, D + j * ob, ob, hk)
-                seg_pre(s, D + j * ob, o0, ob)
-            # D (c, ob) += alpha T B^T[:, o0:o0+ob]
-            _blas.gemm(False, False, c, ob, rank, alpha, tp, lt, s.b + o0, d_out, 1.0, D, ob)
-            for j in range(c):  # each output row's block rounded once
-                r = seg_row(s, k + j)
-                if s.bias != NULL:
-                    _blas.axpy(ob, seg_scale(s, k + j), s.bias + o0, D + j * ob)
-                narrow_on(hp, D + j * ob, Y + r * d_out + o0, ob, hk)
-            o0 += ob
-        k += c
-    if owned:
-        free(G)
-    return 0
 
 
 cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_in, int d_out,
@@ -271,7 +209,7 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
     if kind == ROWS_F32:
         rc = _run_segment(&seg, <const float *>X, <float *>Y, d_in, d_out, crossover, hp)
     elif s.n_rows >= crossover:
-        rc = _run_half_batched(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk, hp)
+        rc = gemm_rows(&seg, X, d_in, kind, Y, d_out, kind, d_in, d_out, True, hp)
     else:
         rc = _run_half_rows(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk, hp)
     if owned:
