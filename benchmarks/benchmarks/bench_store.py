@@ -12,14 +12,15 @@ import os
 import numpy as np
 
 from lorahook import LoraAdapter, LoraLayer, Qwen35Config
-from lorahook.bench.rows import QWEN35_0_8B
+
+from .bench_rows import qwen35_0_8b
 
 STORE_DTYPES = ("F32", "F16", "BF16")
 
 
 def qwen_adapter(rank=16, seed=0):
     """A random adapter with Qwen3.5-0.8B's projections, ``rank`` on every one."""
-    cfg = Qwen35Config.from_dict(QWEN35_0_8B)
+    cfg = Qwen35Config.from_dict(qwen35_0_8b())
     rng = np.random.default_rng(seed)
     layers = {}
     for li in range(cfg.num_hidden_layers):
