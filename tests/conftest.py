@@ -26,9 +26,11 @@ if SUPPORT not in sys.path:
 # Child processes started by tests must import the same lorahook as the tests
 # (the installed package in CI, an in-place build during development), not
 # whatever the current directory holds: they run from this directory with the
-# parent's import root on PYTHONPATH.
+# parent's import root on PYTHONPATH.  The helpers go on it too: a Ray worker
+# that unpickles a class of a test module imports that module, and with it the
+# helpers it imports.
 import lorahook as _lorahook
 
 _IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(_lorahook.__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (_IMPORT_ROOT, os.environ.get("PYTHONPATH")) if p)
+    p for p in (_IMPORT_ROOT, SUPPORT, os.environ.get("PYTHONPATH")) if p)
