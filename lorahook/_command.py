@@ -94,7 +94,3 @@ def size_text(n_bytes):
             return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
         n_bytes /= 1024.0
     return f"{n_bytes} B"  # pragma: no cover
-
-
-def describe_model(config):
-    return config.describe()

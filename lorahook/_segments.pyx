@@ -90,22 +90,13 @@ lorahook_find_blas(<void *>sgemm)
 # kernels (no Python objects, no GIL)
 # ---------------------------------------------------------------------------
 
-cdef int _run_segment(const Segment *s, const float *X, float *Y, int d_in, int d_out,
-                      Py_ssize_t crossover, int hp) noexcept nogil:
-    """One segment of float32 weights on float32 rows; -1 without scratch memory.
-
-    Below ``crossover`` rows, the row loop; at or above it, :c:func:`gemm_rows`.
-    """
+cdef int _row_loop(const Segment *s, const float *X, float *Y, int d_in, int d_out) noexcept nogil:
+    """One segment of float32 weights on float32 rows, two ``sgemv`` a row; -1 without memory."""
     cdef int rank = s.rank, owned = 0
     cdef Py_ssize_t n = s.n_rows, i, r
     cdef float alpha
     cdef float *yr
     cdef float *t
-    if rank == 0 or n == 0:
-        return 0
-    if n >= crossover:
-        return gemm_rows(s, <const char *>X, d_in, ROWS_F32, <char *>Y, d_out, ROWS_F32,
-                         d_in, d_out, True, hp)
     t = lorahook_scratch_slot(<size_t>rank, LH_SCRATCH_PRODUCTS, &owned)
     if t == NULL:
         return -1
@@ -168,7 +159,7 @@ cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_
         seg.rows = NULL
         seg.n_rows = c
         seg.row_scales = s.row_scales + k if s.row_scales != NULL else NULL
-        rc = _run_segment(&seg, G, D, d_in, d_out, c + 1, hp)  # c + 1: the row loop
+        rc = _row_loop(&seg, G, D, d_in, d_out)
         if rc != 0:
             break
         for j in range(c):
@@ -188,7 +179,7 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
     count, for every row kind.  Returns -1 without memory.
     """
     cdef Segment seg = s[0]
-    cdef int owned = 0, rc, hk
+    cdef int owned = 0, rc
     cdef float *W = NULL
     if s.rank == 0 or s.n_rows == 0:
         return 0
@@ -205,13 +196,13 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
         if s.bias16 != NULL:
             seg.bias = W + <Py_ssize_t>s.rank * (d_in + d_out)
             widen_on(hp, <const uint16_t *>s.bias16, <float *>seg.bias, d_out, s.wkind)
-    hk = half_of(kind)
-    if kind == ROWS_F32:
-        rc = _run_segment(&seg, <const float *>X, <float *>Y, d_in, d_out, crossover, hp)
-    elif s.n_rows >= crossover:
+    if s.n_rows >= crossover:  # any rows: the one batched routine
         rc = gemm_rows(&seg, X, d_in, kind, Y, d_out, kind, d_in, d_out, True, hp)
+    elif kind == ROWS_F32:
+        rc = _row_loop(&seg, <const float *>X, <float *>Y, d_in, d_out)
     else:
-        rc = _run_half_rows(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out, hk, hp)
+        rc = _run_half_rows(&seg, <const uint16_t *>X, <uint16_t *>Y, d_in, d_out,
+                            half_of(kind), hp)
     if owned:
         free(W)
     return rc

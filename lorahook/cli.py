@@ -22,7 +22,7 @@ import os
 import sys
 
 from ._command import EXIT_MISFIT, EXIT_OK, EXIT_USAGE, CommandError, adapter_files
-from ._command import describe_model, load_adapter, load_model, one_line, ranges_text
+from ._command import load_adapter, load_model, one_line, ranges_text
 from ._command import set_text, size_text, user_errors
 from . import demo
 
@@ -135,7 +135,7 @@ def cmd_validate(args, out):
     extra = len(adapter.saved_modules) + sum(k[0] is None for k in adapter.keys())
     more = f", {extra} model-level modules" if extra else ""
     out.write(f"fits: {args.path} ({adapter.num_adapted_layers} projections on {len(layers)} layers{more}) "
-              f"fits {args.model} ({describe_model(config)})\n")
+              f"fits {args.model} ({config.describe()})\n")
     return EXIT_OK
 
 

@@ -11,7 +11,7 @@ import os
 import tempfile
 import time
 
-from ._command import EXIT_MISFIT, EXIT_OK, CommandError, describe_model, load_adapter
+from ._command import EXIT_MISFIT, EXIT_OK, CommandError, load_adapter
 from ._command import load_model, one_line, ranges_text, set_text
 
 __all__ = ["add_arguments", "cmd_demo"]
@@ -141,7 +141,7 @@ def cmd_demo(args, out):
         from .models import Qwen35Config
         with _demo_config_path().open("r", encoding="utf-8") as f:
             config = Qwen35Config.from_dict(json.load(f))
-        w(f"model     embedded {DEMO_CONFIG}: {describe_model(config)}\n")
+        w(f"model     embedded {DEMO_CONFIG}: {config.describe()}\n")
         generated = _demo_adapters(config, rng)
         tmp = tempfile.TemporaryDirectory(prefix="lorahook-demo-")
         adapters = {}
@@ -162,7 +162,7 @@ def cmd_demo(args, out):
               f"from_peft (identical A, B and scales)\n")
     else:
         config = load_model(args.model)
-        w(f"model     {args.model}: {describe_model(config)}\n")
+        w(f"model     {args.model}: {config.describe()}\n")
         adapters = {}
         for path in args.adapter:
             name = os.path.basename(os.path.normpath(path)) or path
