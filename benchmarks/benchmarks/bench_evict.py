@@ -11,6 +11,11 @@ import tempfile
 
 import numpy as np
 
+from . import module_setup
+
+# every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
+setup = module_setup(__name__)
+
 
 class EvictingBinds:
     params = [[3, 12]]

@@ -1,9 +1,16 @@
 """Mixed-adapter ``generate`` (see :mod:`lorahook.bench.generate`): base, PEFT, lorahook.
 
-Skipped (``NotImplementedError``) where torch, transformers or peft are not
-installed, or on lorahook versions without sequence selections.
+``GenerateRatios`` times lorahook and a peer (PEFT's ``adapter_names``, or the
+base model without adapters) in alternation in one benchmark and tracks the
+ratio of their medians.  Skipped
+(``NotImplementedError``) where torch, transformers or peft are not installed, or on lorahook versions without sequence selections.
 """
 import tempfile
+
+from . import module_setup
+
+# every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
+setup = module_setup(__name__)
 
 
 class _Generate:
@@ -30,8 +37,10 @@ class _Generate:
                      else bench_generate.build(self.workdir.name, dtype))
         except ImportError:
             raise NotImplementedError
-        self.call = bench_generate.contenders(*parts)[contender]
-        self.call()  # warm-up
+        self.calls = bench_generate.contenders(*parts)
+        if contender is not None:
+            self.call = self.calls[contender]
+            self.call()  # warm-up
 
     def teardown(self, *params):
         # asv runs teardown after a setup that raised (NotImplementedError: a peer is missing)
@@ -62,3 +71,27 @@ class QuantizedMixedGenerate(_Generate):
 
     def time_generate(self, contender, quant):
         self.call()
+
+
+class GenerateRatios(_Generate):
+    """lorahook's mixed ``generate`` over PEFT's, and over the base model's without adapters."""
+
+    params = [["float32", "bfloat16"]]
+    param_names = ["dtype"]
+
+    def setup(self, dtype):
+        self._build(None, dtype)
+
+    def _ratio(self, peer):
+        from .bench_ratios import median_ratio
+        return median_ratio(self.calls["lorahook"], self.calls[peer], rounds=5)
+
+    def track_vs_peft(self, dtype):
+        return self._ratio("peft")
+
+    track_vs_peft.unit = "lorahook / PEFT"
+
+    def track_vs_base(self, dtype):
+        return self._ratio("base")
+
+    track_vs_base.unit = "lorahook / base model"

@@ -16,6 +16,11 @@ import lorahook
 from lorahook import LoraAdapter, LoraLayer, NoopLoraHook, Qwen35Config, apply_lora_rows
 from lorahook import threads as lh_threads
 
+from . import module_setup
+
+# every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
+setup = module_setup(__name__)
+
 
 def qwen35_0_8b():
     """Qwen3.5-0.8B's config (``lorahook.bench.rows``), imported when a benchmark runs.
@@ -146,7 +151,7 @@ class ServerLoop(_Concurrent):
         rng = np.random.default_rng(0)
         cfg = Qwen35Config.from_dict(qwen35_0_8b())
         n_layers = 4  # one full-attention block: 3 linear-attention layers + 1 full
-        weights, layers, self.plan = {}, {}, []
+        layers, self.plan = {}, []
         self.inputs = [{} for _ in range(threads)]
         for li in range(n_layers):
             for m in cfg.modules_for_layer(li):

@@ -13,7 +13,12 @@ import numpy as np
 
 from lorahook import LoraAdapter, LoraLayer, Qwen35Config
 
+from . import module_setup
 from .bench_rows import qwen35_0_8b
+
+# every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
+setup = module_setup(__name__)
+
 
 STORE_DTYPES = ("F32", "F16", "BF16")
 

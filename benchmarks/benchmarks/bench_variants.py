@@ -8,6 +8,11 @@ without torch, transformers or peft, or on lorahook versions without them.
 """
 import tempfile
 
+from . import module_setup
+
+# every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
+setup = module_setup(__name__)
+
 
 class _Scenario:
     timeout = 900

@@ -1,0 +1,128 @@
+"""lorahook against numpy in the same benchmark: ratios that survive a change of machine.
+
+Each scenario's ``track_vs_numpy`` times lorahook's call and the same delta in
+numpy (``y += (x @ Aᵀ) @ (scale·B)ᵀ``, float32, numpy's BLAS as the process
+found it) in alternation, on the same data, and returns the median of
+lorahook's times over the median of numpy's: below 1, lorahook is faster.
+``time_lorahook`` times lorahook's call alone, as the other suites do.
+
+Scenarios (Qwen-like projections, rank 16 unless named):
+
+- ``decode``: 1 row, 1024 -> 1024;
+- ``decode_r64``: 1 row, 4096 -> 4096, rank 64;
+- ``prefill``: 256 rows, 1024 -> 3584;
+- ``prefill_large``: 512 rows, 4096 -> 4096;
+- ``mixed``: 128 rows over 8 adapters (16 rows each, shuffled), 1024 -> 3584;
+  numpy computes each adapter's rows with a gather and a scatter.
+
+``LORAHOOK_BENCH_SLOWDOWN=k`` (an integer, default 1) makes lorahook's side do
+its call ``k`` times: a known slowdown, to see ``asv continuous`` and ``asv
+compare`` flag it with its factor (see the Benchmarks guide).
+"""
+import os
+import time
+
+import numpy as np
+
+import lorahook
+from lorahook import LoraAdapter, apply_lora_rows
+
+from . import module_setup
+from .bench_rows import _configure, _layer
+
+# every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
+setup = module_setup(__name__)
+
+
+ROUNDS = 31
+SCENARIOS = {
+    # name: (rows, d_in, d_out, rank, adapters)
+    "decode": (1, 1024, 1024, 16, 1),
+    "decode_r64": (1, 4096, 4096, 64, 1),
+    "prefill": (256, 1024, 3584, 16, 1),
+    "prefill_large": (512, 4096, 4096, 16, 1),
+    "mixed": (128, 1024, 3584, 16, 8),
+}
+
+
+def slowdown():
+    """The injected slowdown factor, ``LORAHOOK_BENCH_SLOWDOWN`` (1: none)."""
+    text = os.environ.get("LORAHOOK_BENCH_SLOWDOWN", "1")
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"LORAHOOK_BENCH_SLOWDOWN must be a positive integer, got {text!r}")
+    if k < 1:
+        raise ValueError(f"LORAHOOK_BENCH_SLOWDOWN must be a positive integer, got {k}")
+    return k
+
+
+def median_ratio(f, g, rounds=ROUNDS):
+    """Median time of ``f`` over median time of ``g``, called in alternation (one warm-up each)."""
+    f(), g()
+    tf, tg = [], []
+    for i in range(rounds):
+        first, second = (f, g) if i % 2 == 0 else (g, f)
+        t0 = time.perf_counter()
+        first()
+        t1 = time.perf_counter()
+        second()
+        t2 = time.perf_counter()
+        a, b = (t1 - t0, t2 - t1) if i % 2 == 0 else (t2 - t1, t1 - t0)
+        tf.append(a)
+        tg.append(b)
+    return float(np.median(tf) / np.median(tg))
+
+
+class Kernels:
+    """``apply_lora_rows`` against numpy, one scenario per parameter."""
+
+    params = [list(SCENARIOS)]
+    param_names = ["scenario"]
+
+    def setup(self, scenario):
+        rows, d_in, d_out, rank, adapters = SCENARIOS[scenario]
+        _configure()
+        rng = np.random.default_rng(7)
+        layers = [_layer(rng, d_in, d_out, rank) for _ in range(adapters)]
+        self.x = rng.standard_normal((rows, d_in)).astype(np.float32)
+        self.y = np.zeros((rows, d_out), np.float32)
+        self.y_np = np.zeros((rows, d_out), np.float32)
+        self.shape = (d_in, d_out)
+        if adapters == 1:
+            self.hook = LoraAdapter({(0, "up_proj"): layers[0]})
+            owner = np.zeros(rows, np.intp)
+        else:
+            store_class = getattr(lorahook, "AdapterSet", None)
+            if store_class is None:
+                raise NotImplementedError  # a version without mixed batches
+            store = store_class()
+            for k, layer in enumerate(layers):
+                store.add(f"a{k}", LoraAdapter({(0, "up_proj"): layer}))
+            owner = rng.permutation(np.arange(rows) * adapters // rows)
+            self.hook = store.bind([f"a{k}" for k in owner])
+        # numpy's operands: A and scale * B per adapter, the rows each adapter owns
+        self.np_parts = [(np.flatnonzero(owner == k), np.ascontiguousarray(layer.a.T),
+                          np.ascontiguousarray((layer.scale * layer.b).T))
+                         for k, layer in enumerate(layers)]
+        self.k = slowdown()
+
+    def _lorahook(self):
+        for _ in range(self.k):
+            apply_lora_rows(self.hook, 0, "up_proj", self.x, self.y, *self.shape)
+
+    def _numpy(self):
+        if len(self.np_parts) == 1:
+            _, at, bt = self.np_parts[0]
+            self.y_np += (self.x @ at) @ bt
+            return
+        for rows, at, bt in self.np_parts:
+            self.y_np[rows] += (self.x[rows] @ at) @ bt
+
+    def time_lorahook(self, scenario):
+        self._lorahook()
+
+    def track_vs_numpy(self, scenario):
+        return median_ratio(self._lorahook, self._numpy)
+
+    track_vs_numpy.unit = "lorahook / numpy"
