@@ -2,19 +2,26 @@
 import os
 
 
-def module_setup(module):
-    """A module-level ``setup`` that skips the module's benchmarks where they are not measured.
+def measured_here(module):
+    """Whether this environment measures the suite module ``module`` (its ``__name__``).
 
     ``LORAHOOK_ASV_ONLY`` (set by an environment of ``asv.conf.json``) names the
     suite modules an environment measures, comma-separated; unset, it measures
-    them all.  asv runs a module's ``setup`` before each of its benchmarks, so a
-    benchmark is measured in one environment rather than in each.
+    them all.  So a benchmark is measured in one environment rather than in each.
     """
-    name = module.rsplit(".", 1)[-1]
+    only = os.environ.get("LORAHOOK_ASV_ONLY")
+    return not only or module.rsplit(".", 1)[-1] in {m.strip() for m in only.split(",")}
 
+
+def module_setup(module):
+    """A module-level ``setup`` that skips the module's benchmarks where they are not measured.
+
+    asv runs a module's ``setup`` before each of its benchmarks (and before a
+    ``setup_cache``, where skipping is a failure: a module with one gates its
+    class's ``setup_cache`` and ``setup`` with :func:`measured_here` instead).
+    """
     def setup(*params):
-        only = os.environ.get("LORAHOOK_ASV_ONLY")
-        if only and name not in {m.strip() for m in only.split(",")}:
+        if not measured_here(module):
             raise NotImplementedError  # measured in another environment
 
     return setup

@@ -46,7 +46,9 @@ class EvictingBinds:
         self.apply = lorahook.apply_lora_rows
 
     def teardown(self, room):
-        self.tmp.cleanup()
+        tmp = getattr(self, "tmp", None)  # None: setup skipped before making it
+        if tmp is not None:
+            tmp.cleanup()
 
     def time_bind_and_apply(self, room):
         names = [f"a{self.picker.randrange(12)}" for _ in range(3)]

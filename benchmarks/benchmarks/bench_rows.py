@@ -8,6 +8,7 @@ times the whole batch of calls (GIL-release check); ``LargeCall`` varies
 SciPy's BLAS threads for a lone large call; ``ServerLoop`` also runs with
 SciPy's BLAS as the process found it (``blas="default"``).
 """
+import inspect
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -216,11 +217,12 @@ class BindPerStep:
     timeout = 300
 
     def setup(self, mode):
-        bench = __import__("lorahook.bench.rows", fromlist=["bind_cost_setup"])
-        if not hasattr(bench, "bind_cost_setup"):
+        try:
+            from lorahook.bench.rows import bind_cost_setup
+        except ImportError:  # a version older than lorahook.bench.rows or than the function
             raise NotImplementedError
         _configure()
-        self.adapters, self.names, self.one_pass = bench.bind_cost_setup(np.random.default_rng(0))
+        self.adapters, self.names, self.one_pass = bind_cost_setup(np.random.default_rng(0))
         self.bound = self.adapters.bind(self.names)
         self.one_pass(self.bound)
 
@@ -242,7 +244,10 @@ class HalfPrecision:
     param_names = ["rows_shape", "dtype"]
 
     def setup(self, rows_shape, dtype):
-        from lorahook import _halfconv, _rows
+        try:
+            from lorahook import _halfconv, _rows
+        except ImportError:  # a version without half precision
+            raise NotImplementedError
         # the bfloat16 entry point without ml_dtypes (named _apply_lora_bits before 0.3)
         apply_bits = getattr(_rows, "apply_lora_bits", getattr(_rows, "_apply_lora_bits", None))
         if apply_bits is None:
@@ -278,6 +283,8 @@ class DoraRows:
     param_names = ["rows", "shape", "variant"]
 
     def setup(self, rows, shape, variant):
+        if "magnitude" not in inspect.signature(LoraLayer).parameters:
+            raise NotImplementedError  # a version without DoRA
         _configure(1)
         rng = np.random.default_rng(0)
         d_in, d_out = shape
@@ -293,6 +300,7 @@ class DoraRows:
         self.adapter = LoraAdapter({(0, "q_proj"): layer})
         self.x = rng.standard_normal((rows, d_in)).astype(np.float32)
         self.y = np.zeros((rows, d_out), np.float32)
+        self.shape = shape
 
     def time_apply(self, rows, shape, variant):
-        apply_lora_rows(self.adapter, 0, "q_proj", self.x, self.y)
+        apply_lora_rows(self.adapter, 0, "q_proj", self.x, self.y, *self.shape)

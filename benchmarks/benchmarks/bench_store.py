@@ -13,11 +13,8 @@ import numpy as np
 
 from lorahook import LoraAdapter, LoraLayer, Qwen35Config
 
-from . import module_setup
+from . import measured_here
 from .bench_rows import qwen35_0_8b
-
-# every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
-setup = module_setup(__name__)
 
 
 STORE_DTYPES = ("F32", "F16", "BF16")
@@ -85,10 +82,17 @@ class Load:
     timeout = 300
 
     def setup_cache(self):
+        if not measured_here(__name__):
+            return {}  # setup skips: measured in another environment
         # asv runs this in a directory of its own and removes it after the run
-        return write_store(os.path.abspath("store"))
+        try:
+            return write_store(os.path.abspath("store"))
+        except NotImplementedError:  # a version without Qwen3.5's config: setup skips
+            return {}
 
     def setup(self, paths, dtype):
+        if not paths:
+            raise NotImplementedError
         self.path = paths[dtype]
         _warm(self.path)
 
