@@ -7,9 +7,21 @@ keeps.
 """
 from collections import Counter
 
+from ._values import describe, is_int
 from .errors import LoraCapacityError
 
-__all__ = ["nbytes", "evict_to_fit"]
+__all__ = ["checked_capacity", "nbytes", "evict_to_fit"]
+
+
+def checked_capacity(capacity_bytes, what="capacity_bytes"):
+    """``capacity_bytes`` as an ``int >= 0``, or ``None`` (no bound); ``TypeError`` / ``ValueError``."""
+    if capacity_bytes is None:
+        return None
+    if not is_int(capacity_bytes):
+        raise TypeError(f"{what} must be an int >= 0 or None, got {describe(capacity_bytes)}")
+    if capacity_bytes < 0:
+        raise ValueError(f"{what} must be >= 0 or None, got {capacity_bytes}")
+    return int(capacity_bytes)
 
 
 def nbytes(entries):

@@ -23,13 +23,14 @@ from collections import OrderedDict
 from types import MappingProxyType
 
 from .threads import look_ahead
-from ._values import describe, is_int
-from ._capacity import evict_to_fit, nbytes
+from ._arrays import weight_dtype
+from ._capacity import checked_capacity, evict_to_fit, nbytes
 from .adapter import base_lookup, store_entry
 from .bound import bound_batch, bound_sequences, checked_names, group_units, refuse_unknown
 from .bound import unit_factors
 from .errors import LoraCapacityError
-from .resolver import Load, check_adapter, check_lookup_name, check_name, check_resolver, resolve
+from .resolver import (Load, check_adapter, check_lookup_name, check_name, check_resolver,
+                       held_as, resolve)
 
 __all__ = ["AdapterSet"]
 
@@ -97,6 +98,11 @@ class AdapterSet:
         How a name that is not resident is loaded on first use.
     base_weights : mapping or callable, optional
         The base weights DoRA layers need, as :meth:`set_base_weights` takes.
+    dtype : {None, "float32", "float16", "bfloat16"}, optional
+        The dtype adapters are held in: each one added or loaded is converted
+        (:meth:`~lorahook.LoraAdapter.astype`; a PEFT directory is read in
+        it), and capacity counts its bytes in it.  ``None``: as given (float32
+        from a directory).
 
     Examples
     --------
@@ -118,20 +124,15 @@ class AdapterSet:
     """
 
     __slots__ = ("_model", "_lock", "_installed", "_capacity", "_resolver", "_lru",
-                 "_pinned", "_loading", "_stats", "_base_weights")
+                 "_pinned", "_loading", "_stats", "_base_weights", "_dtype")
 
-    def __init__(self, model=None, *, capacity_bytes=None, resolver=None, base_weights=None):
+    def __init__(self, model=None, *, capacity_bytes=None, resolver=None, base_weights=None,
+                 dtype=None):
         look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         self._model = _check_model(model)
-        if capacity_bytes is not None:
-            if not is_int(capacity_bytes):
-                raise TypeError(f"capacity_bytes must be an int >= 0 or None, got "
-                                f"{describe(capacity_bytes)}")
-            if capacity_bytes < 0:
-                raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
-            capacity_bytes = int(capacity_bytes)
-        self._capacity = capacity_bytes
+        self._capacity = checked_capacity(capacity_bytes)
         self._resolver = check_resolver(resolver)
+        self._dtype = None if dtype is None else weight_dtype(dtype)
         if base_weights is not None:
             base_lookup(base_weights)
         self._base_weights = base_weights
@@ -155,6 +156,11 @@ class AdapterSet:
         return self._capacity
 
     @property
+    def dtype(self):
+        """The dtype adapters are held in (a numpy dtype), or ``None``: as given."""
+        return self._dtype
+
+    @property
     def nbytes(self):
         """Bytes of the resident adapters' arrays, each array counted once (an ``int``)."""
         return nbytes(self._installed.values())
@@ -166,6 +172,7 @@ class AdapterSet:
 
     def _checked(self, adapter):
         """Validate an adapter about to be installed and give its DoRA layers their base."""
+        adapter = held_as(adapter, self._dtype)
         if self._model is not None:
             adapter.validate_against(self._model)
         base = self._base_weights
@@ -301,7 +308,7 @@ class AdapterSet:
         """Resolve and validate ``name`` for ``job`` (this thread owns it); errors go in the job."""
         start = time.perf_counter()
         try:
-            adapter = resolve(self._resolver, name)
+            adapter = resolve(self._resolver, name, self._dtype)
             job.value = self._checked(adapter)
         except Exception as exc:
             job.error = exc

@@ -54,7 +54,10 @@ from ._batching import DONE, Joined, batch
 from ._values import describe, is_int
 from .adapter import LoraAdapter
 from .adapter_set import AdapterSet
-from .resolver import Load, check_name, check_resolver, identity as resolver_identity, resolve
+from ._arrays import weight_dtype
+from ._capacity import checked_capacity
+from .resolver import Load, check_name, check_resolver, held_as, identity as resolver_identity
+from .resolver import resolve
 
 __all__ = ["batch", "DONE", "Joined", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"]
 
@@ -230,10 +233,16 @@ class _ResolverActor:
     dropped right after ``ray.put``.
     """
 
-    def __init__(self, resolver):
+    def __init__(self, resolver, dtype=None, capacity_bytes=None):
         self._resolver = resolver
+        self._dtype_name = dtype
+        if dtype == "bfloat16":
+            import ml_dtypes  # noqa: F401  (weight_dtype names it through ml_dtypes)
+        self._dtype = None if dtype is None else weight_dtype(dtype)
+        self._capacity = capacity_bytes
         self._lock = threading.Lock()
-        self._held = {}  # name -> (ObjectRef, nbytes)
+        self._held = collections.OrderedDict()  # name -> (ObjectRef, nbytes), least recent first
+        self._evictions = 0
         self._loading = {}  # name -> Load
         self._loads = collections.Counter()
         self._failures = collections.Counter()
@@ -243,6 +252,7 @@ class _ResolverActor:
         with self._lock:
             held = self._held.get(name)
             if held is not None:
+                self._held.move_to_end(name)
                 return ("ref", [held[0]])
             job = self._loading.get(name)
             mine = job is None
@@ -251,12 +261,12 @@ class _ResolverActor:
         if mine:
             try:
                 # the resolver rules of AdapterSet: safe names, directories, callables
-                adapter = resolve(self._resolver, name)
+                adapter = held_as(resolve(self._resolver, name, self._dtype), self._dtype)
                 nbytes = adapter.nbytes
                 job.value = ray.put(adapter)
                 del adapter
                 with self._lock:
-                    self._held[name] = (job.value, nbytes)
+                    self._hold(name, job.value, nbytes)
                     self._loads[name] += 1
             except Exception as exc:
                 job.error = _portable_error(exc)
@@ -272,8 +282,23 @@ class _ResolverActor:
             return ("error", job.error)
         return ("ref", [job.value])
 
+    def _hold(self, name, ref, nbytes):
+        """Keep ``name``'s reference, then drop the least recently resolved past the capacity.
+
+        One adapter larger than the capacity is handed out but not kept.
+        Dropping a reference frees nothing a process still maps.
+        """
+        self._held[name] = (ref, nbytes)
+        if self._capacity is None:
+            return
+        total = sum(n for _, n in self._held.values())
+        while total > self._capacity and self._held:
+            _, (_, freed) = self._held.popitem(last=False)
+            total -= freed
+            self._evictions += 1
+
     def resolver_identity(self):
-        return resolver_identity(self._resolver)
+        return tuple(resolver_identity(self._resolver)) + (self._dtype_name,)
 
     def drop(self, name):
         with self._lock:
@@ -289,6 +314,9 @@ class _ResolverActor:
                 "resident": len(self._held),
                 "names": sorted(self._held),
                 "nbytes": int(sum(n for _, n in self._held.values())),
+                "capacity_bytes": self._capacity,
+                "evictions": self._evictions,
+                "dtype": self._dtype_name,
                 "loading": len(self._loading),
                 "pid": os.getpid(),
             }
@@ -313,13 +341,15 @@ class SharedResolver:
     #: Threads of the actor: concurrent loads of different names, and lookups of loaded ones.
     max_concurrency = 16
 
-    def __init__(self, resolver, name="lorahook-adapters"):
+    def __init__(self, resolver, name="lorahook-adapters", dtype=None, capacity_bytes=None):
         self._resolver = check_resolver(resolver, optional=False)
         self._name = check_name(name, "name (the actor's name)")
+        self._dtype = None if dtype is None else weight_dtype(dtype).name
+        self._capacity = checked_capacity(capacity_bytes)
         self._checked = False  # whether the running actor's resolver was compared with ours
 
     def __reduce__(self):
-        return (SharedResolver, (self._resolver, self._name))
+        return (SharedResolver, (self._resolver, self._name, self._dtype, self._capacity))
 
     @property
     def name(self):
@@ -331,8 +361,19 @@ class SharedResolver:
         """The resolver this object would start the actor with (a running actor keeps its own)."""
         return self._resolver
 
+    @property
+    def dtype(self):
+        """The name of the dtype adapters are loaded in (``None``: float32, as read)."""
+        return self._dtype
+
+    @property
+    def capacity_bytes(self):
+        """The most bytes the actor keeps, or ``None`` (every adapter it loaded)."""
+        return self._capacity
+
     def __repr__(self):
-        return f"SharedResolver({self._resolver!r}, name={self._name!r})"
+        return (f"SharedResolver({self._resolver!r}, name={self._name!r}, dtype={self._dtype!r}, "
+                f"capacity_bytes={self._capacity!r})")
 
     # --- the actor -----------------------------------------------------------
 
@@ -353,7 +394,7 @@ class SharedResolver:
         handle = _RemoteResolverActor.options(
             name=self._name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             max_concurrency=self.max_concurrency, num_cpus=0, **head_node_options(),
-        ).remote(self._resolver)
+        ).remote(self._resolver, self._dtype, self._capacity)
         with _HANDLES_LOCK:
             return _HANDLES.setdefault(key, handle)
 
@@ -363,11 +404,11 @@ class SharedResolver:
             return
         running = tuple(ray.get(handle.resolver_identity.remote()))
         self._checked = True
-        mine = resolver_identity(self._resolver)
+        mine = tuple(resolver_identity(self._resolver)) + (self._dtype,)
         if running != mine:
             warnings.warn(
                 f"shared_resolver {self._name!r} uses a running actor that loads with another "
-                f"resolver ({running[0]} {running[1:]!r}, not {mine[0]} {mine[1:]!r}): names "
+                f"resolver or dtype ({running[0]} {running[1:]!r}, not {mine[0]} {mine[1:]!r}): names "
                 f"resolve as the running actor does. close() it first, or give this resolver "
                 f"another name, to load with it", RuntimeWarning, stacklevel=4)
 
@@ -441,7 +482,7 @@ class SharedResolver:
         ray.kill(handle, no_restart=True)
 
 
-def shared_resolver(resolver, *, name="lorahook-adapters"):
+def shared_resolver(resolver, *, name="lorahook-adapters", dtype=None, capacity_bytes=None):
     """A resolver whose loads happen once per Ray cluster, shared through the object store.
 
     ``resolver`` is what :class:`~lorahook.AdapterSet` takes: a directory of
@@ -461,10 +502,11 @@ def shared_resolver(resolver, *, name="lorahook-adapters"):
     died); later calls, from any process, join it and use its resolver.
     ``drop(name)`` releases one adapter from the actor (processes that hold
     it keep theirs), ``close()`` ends the actor, ``stats()`` returns at least
-    ``loads_by_name`` (name -> count), ``resident`` and ``nbytes``.  A
-    resolver that joins a running actor loading with another resolver (another
-    directory, another callable) warns once, with a ``RuntimeWarning``: names
-    resolve as the running actor does.
+    ``loads_by_name`` (name -> count), ``resident``, ``nbytes``,
+    ``capacity_bytes`` and ``evictions``.  A resolver that joins a running
+    actor loading with another resolver (another directory, another callable)
+    or in another dtype warns once, with a ``RuntimeWarning``: names resolve
+    as the running actor does.
 
     Parameters
     ----------
@@ -473,10 +515,20 @@ def shared_resolver(resolver, *, name="lorahook-adapters"):
         path | None``, as :class:`~lorahook.AdapterSet` takes.
     name : str, default "lorahook-adapters"
         The actor's name in Ray namespace ``lorahook``.
+    dtype : {None, "float32", "float16", "bfloat16"}, optional
+        The dtype the actor loads adapters in (a PEFT directory is read in
+        it; an adapter a callable returns is converted): what the object store
+        holds and the replicas map.  ``None``: as read (float32).  Give the
+        replicas' sets the same ``dtype``, or each converts its own copy.
+    capacity_bytes : int, optional
+        The most bytes of adapters the actor keeps (``None``: every adapter
+        it ever loaded).  Past it, the least recently resolved are dropped
+        from the actor as :meth:`SharedResolver.drop` does: processes that
+        hold one keep it, and its next first use loads it again.
 
     Returns
     -------
     SharedResolver
         A picklable resolver for the replicas' adapter sets.
     """
-    return SharedResolver(resolver, name)
+    return SharedResolver(resolver, name, dtype, capacity_bytes)

@@ -577,3 +577,49 @@ def test_a_call_that_fails_after_a_load_installs_it_and_leaves_nothing_claimed(s
                 np.random.default_rng(0).standard_normal((3, D_IN)).astype(np.float32))
     assert calls == ["t0", "v-broken", "t1", "t5", "t5"]
     assert s.stats()["loads"] == 3 and s.stats()["loading"] == 0
+
+
+# --------------------------------------------------------------------------- dtype
+
+
+def _rounded_reference(adapter, dtype, x):
+    """The float64 delta of ``adapter``'s weights rounded to ``dtype`` by numpy / ml_dtypes."""
+    layer = adapter.layers[KEY]
+    a = layer.a.astype(dtype).astype(np.float64)
+    b = layer.b.astype(dtype).astype(np.float64)
+    return layer.scale * (x.astype(np.float64) @ a.T) @ b.T
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_set_with_a_dtype_holds_added_and_loaded_adapters_in_it(store, dtype):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    root, written = store
+    # room for three float32 adapters holds six 16-bit ones
+    s = AdapterSet(capacity_bytes=3 * ONE, resolver=root, dtype=dtype)
+    assert s.dtype == np.dtype(np_dtype)
+    s.add("byhand", _adapter(9))
+    for name in NAMES[:5]:
+        assert s.get(name).dtype == np.dtype(np_dtype)  # read from its directory in dtype
+    assert s.get("byhand").dtype == np.dtype(np_dtype)
+    assert s.stats()["evictions"] == 0 and len(s) == 6
+    assert s.nbytes == 6 * ONE // 2
+    x = np.random.default_rng(1).standard_normal((5, D_IN)).astype(np.float32)
+    got = _apply(s.bind(NAMES[:5]), x)
+    for i, name in enumerate(NAMES[:5]):
+        ref = _rounded_reference(written[name], np_dtype, x[i:i + 1])
+        _check(got[i:i + 1], ref)
+    # an adapter already in the dtype is held as it is, not copied
+    held = _adapter(10).astype(np_dtype)
+    s.add("same", held)
+    assert s.get("same").layers[KEY].a is held.layers[KEY].a
+
+
+def test_a_set_dtype_is_float32_float16_or_bfloat16():
+    for bad in ("float64", "int8", np.int16, "f32"):
+        with pytest.raises(TypeError, match="dtype"):
+            AdapterSet(dtype=bad)
+    s = AdapterSet(dtype=np.float32)
+    s.add("a", _adapter(0).astype(np.float16))
+    assert s.get("a").dtype == np.float32
+    assert AdapterSet().dtype is None

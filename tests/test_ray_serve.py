@@ -321,9 +321,14 @@ def test_shared_resolver_checks_and_pickles():
         shared_resolver("/tmp", name=3)
     with pytest.raises(ValueError, match=r"name \(the actor's name\) must be a non-empty str, got ''"):
         shared_resolver("/tmp", name="")
-    shared = shared_resolver("/some/adapters", name="x")
+    with pytest.raises(TypeError, match="dtype must be float32, float16 or bfloat16"):
+        shared_resolver("/tmp", dtype="float64")
+    with pytest.raises(ValueError, match=r"capacity_bytes must be >= 0 or None, got -1"):
+        shared_resolver("/tmp", capacity_bytes=-1)
+    shared = shared_resolver("/some/adapters", name="x", dtype=np.float16, capacity_bytes=1 << 20)
     back = pickle.loads(pickle.dumps(shared))
-    assert (back.resolver, back.name) == ("/some/adapters", "x")
+    assert (back.resolver, back.name, back.dtype, back.capacity_bytes) == (
+        "/some/adapters", "x", "float16", 1 << 20)
     if not ray.is_initialized():
         with pytest.raises(RuntimeError, match=r"needs a running Ray: call ray.init\(\)"):
             shared("a")
@@ -633,6 +638,40 @@ def test_shared_resolver_loads_once_for_two_processes(cluster, tmp_path_factory)
             tracemalloc.stop()
         assert current < adapter.nbytes / 10, (current, adapter.nbytes)
         assert shared.stats()["loads_by_name"][names[1]] == 1
+    finally:
+        shared.close()
+
+
+def test_shared_resolver_loads_in_its_dtype_and_keeps_within_its_capacity(cluster, adapter_dir,
+                                                                          local_adapters):
+    one = local_adapters[NAMES[0]].astype(np.float16).nbytes
+    shared = shared_resolver(str(adapter_dir), name="test-bounded", dtype="float16",
+                             capacity_bytes=3 * one)
+    try:
+        for name in NAMES[:5]:
+            got = shared(name)
+            assert got.dtype == np.float16 and got.nbytes == one
+            want = local_adapters[name].astype(np.float16)
+            for key, layer in want.layers.items():
+                assert np.array_equal(got.layers[key].a, layer.a)
+                assert np.array_equal(got.layers[key].b, layer.b)
+        stats = shared.stats()
+        # the three most recently resolved are kept; the two oldest were dropped
+        assert stats["names"] == sorted(NAMES[2:5]) and stats["nbytes"] == 3 * one
+        assert stats["evictions"] == 2 and stats["capacity_bytes"] == 3 * one
+        assert stats["dtype"] == "float16"
+        shared(NAMES[2])       # a hit: now the most recent
+        shared(NAMES[0])       # loaded again, dropping the least recent (NAMES[3])
+        stats = shared.stats()
+        assert stats["names"] == sorted([NAMES[0], NAMES[2], NAMES[4]])
+        assert stats["loads_by_name"][NAMES[0]] == 2 and stats["loads_by_name"][NAMES[2]] == 1
+        # a resolver of the same name in another dtype uses the running actor, and says so
+        with pytest.warns(RuntimeWarning, match="another resolver or dtype"):
+            assert shared_resolver(str(adapter_dir), name="test-bounded")(NAMES[4]).dtype == \
+                np.float16
+        # replicas' sets in the same dtype hold the object store's copy as it is
+        store = AdapterSet(resolver=shared, dtype="float16")
+        assert store.get(NAMES[4]).layers[(0, "up_proj")].a.flags.writeable is False
     finally:
         shared.close()
 
