@@ -28,7 +28,11 @@ failure while its batch runs, an error for that request alone while the
 other rows go on); prompts must fit the context (``--max-model-len``);
 bodies, nesting, the queue (``--max-queued-requests``) and each request's
 time (``--request-timeout``) are bounded; an adapter is admitted into a batch
-only when it fits beside the running rows' adapters (``--capacity-bytes``).
+only when it fits beside the running rows' adapters (``--capacity-bytes``,
+by default a quarter of the machine's memory divided among the replicas;
+``--adapter-dtype`` holds them in 16 bits), and the head node's shared loader
+keeps at most ``--resolver-capacity-bytes``: thousands of adapters on disk
+never grow a server without bound.
 Operated as a server: with ``--address local`` (the default) everything of
 Ray's listens on 127.0.0.1 but Ray Serve's replica gRPC servers (one per
 replica, which Serve binds to all interfaces).  On SIGTERM or SIGINT the
@@ -121,6 +125,10 @@ def main(args, out=sys.stdout):
         # and Windows (read when ray is imported, so set before anything imports it)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     settings = settings_from(args, key)
+    print(f"lorahook serve: adapters held in {settings.adapter_dtype}, at most "
+          f"{settings.capacity_bytes} bytes per replica (--capacity-bytes), "
+          f"{settings.resolver_capacity_bytes} bytes shared (--resolver-capacity-bytes)",
+          file=out, flush=True)
     warning = key_warning(settings)
     if warning:
         print(f"lorahook serve: warning: {warning}", file=sys.stderr, flush=True)

@@ -62,13 +62,17 @@ class ReplicaAdapters:
     def __init__(self, settings, geometry, state):
         self.settings = settings
         self.state = state
-        self.shared = (shared_resolver(settings.adapters_dir, name=settings.resolver_name)
+        if settings.adapter_dtype == "bfloat16":
+            import ml_dtypes  # noqa: F401  (lorahook names bfloat16 through it)
+        self.shared = (shared_resolver(settings.adapters_dir, name=settings.resolver_name,
+                                       dtype=settings.adapter_dtype,
+                                       capacity_bytes=settings.resolver_capacity_bytes)
                        if settings.adapters_dir else None)
         self.runtime = {}    # name -> (path or None, version) of adapters loaded at run time
         self.paths = {}      # "name/vN" -> path of the runtime versions in use here
         self.set = AdapterSet(geometry, capacity_bytes=settings.capacity_bytes,
-                              resolver=self._resolve)
-        self.load = multiplexed(self.set, 64)
+                              resolver=self._resolve, dtype=settings.adapter_dtype)
+        self.load = multiplexed(self.set, settings.max_models_per_replica)
         self.leases = collections.Counter()  # adapter key -> requests holding it resident
         self.room = asyncio.Event()          # set (and replaced) when a lease ends
 
@@ -76,7 +80,7 @@ class ReplicaAdapters:
         """The AdapterSet's resolver (runs in worker threads)."""
         path = self.paths.get(key)
         if path is not None:
-            return LoraAdapter.from_peft(path)
+            return LoraAdapter.from_peft(path, dtype=self.set.dtype)
         return self.shared(key) if self.shared is not None and "/" not in key else None
 
     # --- runtime adapters ----------------------------------------------

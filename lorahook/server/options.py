@@ -16,10 +16,15 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["DTYPES", "Settings", "add_arguments", "api_key", "check_arguments",
-           "key_warning", "parse_builder_args", "settings_from", "SERVER_ONLY"]
+__all__ = ["DTYPES", "ADAPTER_DTYPES", "Settings", "add_arguments", "api_key", "check_arguments",
+           "default_capacity_bytes", "key_warning", "parse_builder_args", "settings_from",
+           "SERVER_ONLY"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: What ``--adapter-dtype`` takes: the dtype replicas hold adapters in.
+ADAPTER_DTYPES = ("float32", "bfloat16", "float16")
+#: Ray Serve's multiplexing cap, adapters each replica reports (``--max-models-per-replica``).
+MAX_MODELS_PER_REPLICA = 64
 
 #: Options of the ``lorahook serve`` process itself, not of the application: under Ray
 #: Serve's own tooling, HTTP and the cluster are set in Serve's config instead.
@@ -37,7 +42,21 @@ def add_arguments(parser):
     parser.add_argument("--replicas", type=int, default=1, help="server replicas (1)")
     parser.add_argument("--capacity-bytes", type=int, default=None,
                         help="bytes of adapters each replica keeps resident; a request waits "
-                             "until its adapter fits beside the running ones (default: no bound)")
+                             "until its adapter fits beside the running ones (default: a "
+                             "quarter of this machine's memory, divided among the replicas)")
+    parser.add_argument("--adapter-dtype", choices=ADAPTER_DTYPES, default="float32",
+                        help="the dtype adapters are held in: bfloat16 and float16 hold twice "
+                             "as many in the same capacity (float32)")
+    parser.add_argument("--max-models-per-replica", type=int, default=MAX_MODELS_PER_REPLICA,
+                        help="adapters each replica reports to Ray Serve's router, which sends "
+                             "an adapter's requests to the replicas reporting it; past it, the "
+                             "least recently used stops being reported (its bytes stay bounded "
+                             f"by --capacity-bytes) ({MAX_MODELS_PER_REPLICA})")
+    parser.add_argument("--resolver-capacity-bytes", type=int, default=None,
+                        help="bytes of adapters the head node's shared loader keeps in Ray's "
+                             "object store for the replicas; past it, the least recently "
+                             "loaded are dropped and read again when next needed (default: "
+                             "--capacity-bytes times --replicas)")
     parser.add_argument("--max-batch-size", type=int, default=16,
                         help="requests generated together in one batch (16)")
     parser.add_argument("--max-adapters", type=int, default=None,
@@ -98,6 +117,7 @@ def check_arguments(args):
     """Refuse bad settings before Ray starts; returns the API key (or ``None``)."""
     for name, low in (("replicas", 1), ("max_batch_size", 1), ("port", 1), ("threads", 1),
                       ("max_adapters", 1), ("capacity_bytes", 0), ("max_model_len", 1),
+                      ("max_models_per_replica", 1), ("resolver_capacity_bytes", 0),
                       ("max_body_bytes", 1), ("max_queued_requests", 1)):
         if getattr(args, name) is not None and getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
@@ -170,6 +190,9 @@ class Settings:
     model_dir: str
     adapters_dir: Optional[str] = None
     capacity_bytes: Optional[int] = None
+    adapter_dtype: str = "float32"
+    max_models_per_replica: int = MAX_MODELS_PER_REPLICA
+    resolver_capacity_bytes: Optional[int] = None
     max_batch_size: int = 16
     max_adapters: Optional[int] = None
     batch_wait_timeout_s: float = 0.01
@@ -193,7 +216,9 @@ class Settings:
     def resolver_name(self):
         """The name of the shared resolver's actor: one per adapters directory, so a
         redeployment over another directory never joins the previous one's loads."""
-        digest = hashlib.sha256(self.adapters_dir.encode()).hexdigest()[:16]
+        # and one per dtype: a redeployment in another dtype loads anew
+        digest = hashlib.sha256(f"{self.adapters_dir}\0{self.adapter_dtype}".encode()
+                                ).hexdigest()[:16]
         return f"lorahook-serve-adapters-{digest}"
 
 
@@ -221,13 +246,25 @@ def key_warning(settings):
     return None
 
 
+def default_capacity_bytes(replicas):
+    """``--capacity-bytes``'s default: a quarter of this machine's memory over ``replicas``."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, memory // 4 // replicas)
+
+
 def settings_from(args, key):
     """The replicas' :class:`Settings` from checked options and their API key."""
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    capacity = (args.capacity_bytes if args.capacity_bytes is not None
+                else default_capacity_bytes(args.replicas))
+    shared = (args.resolver_capacity_bytes if args.resolver_capacity_bytes is not None
+              else capacity * args.replicas)
     return Settings(
         model_dir=os.path.abspath(args.model_dir),
         adapters_dir=os.path.abspath(args.adapters) if args.adapters else None,
-        capacity_bytes=args.capacity_bytes, max_batch_size=args.max_batch_size,
+        capacity_bytes=capacity, adapter_dtype=args.adapter_dtype,
+        max_models_per_replica=args.max_models_per_replica, resolver_capacity_bytes=shared,
+        max_batch_size=args.max_batch_size,
         max_adapters=args.max_adapters, dtype=args.dtype, api_key=key,
         runtime_root=os.path.realpath(args.runtime_adapter_root) if args.runtime_adapter_root
         else None, threads=threads, replicas=args.replicas,

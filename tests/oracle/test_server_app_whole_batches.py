@@ -2,7 +2,9 @@
 
 A small random Mistral with a 4-token sliding window: its cache has sliding-window
 layers, so requests cannot join a running batch; the server says so in its stats and
-still answers every request as transformers + PEFT do.
+still answers every request as transformers + PEFT do.  The server holds its adapter
+in bfloat16 (``--adapter-dtype bfloat16``): PEFT's reference runs the adapter's
+weights rounded to bfloat16 (by torch), in float32 as lorahook computes.
 """
 import concurrent.futures
 import os
@@ -48,6 +50,11 @@ def _save(tmp):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm.save_pretrained(os.path.join(adapters, "windowed"))
+        with torch.no_grad():  # the reference: the same weights rounded to bfloat16
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    p.copy_(p.to(torch.bfloat16).to(torch.float32))
+        pm.save_pretrained(os.path.join(tmp, "rounded", "windowed"))
     return model_dir, adapters
 
 
@@ -56,7 +63,9 @@ def test_a_sliding_window_model_is_served_in_whole_batches(tmp_path):
     model_dir, adapters = _save(str(tmp_path))
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     try:
-        proc, url = start_server(model_dir, adapters, "--max-batch-size", "4", cwd=str(tmp_path))
+        lines = []
+        proc, url = start_server(model_dir, adapters, "--max-batch-size", "4",
+                                 "--adapter-dtype", "bfloat16", cwd=str(tmp_path), lines=lines)
     except RuntimeError as exc:
         pytest.fail(str(exc))
     try:
@@ -74,7 +83,7 @@ def test_a_sliding_window_model_is_served_in_whole_batches(tmp_path):
             got = list(ex.map(ask, asks))
         for (name, prompt), text in zip(asks, got):
             ids = tok(prompt)["input_ids"]
-            adapter = None if name == base else os.path.join(adapters, name)
+            adapter = None if name == base else os.path.join(str(tmp_path), "rounded", name)
             want = serve_files.peft_reference(model_dir, adapter, ids, 10)
             want = want[:want.index(2)] if 2 in want else want
             assert text == tok.decode(want, skip_special_tokens=True), (name, prompt)
@@ -83,6 +92,11 @@ def test_a_sliding_window_model_is_served_in_whole_batches(tmp_path):
         assert "".join(c.choices[0].text for c in chunks) == got[3]
         stats = httpx.get(url + "/lorahook/stats", timeout=30).json()
         assert stats["joining"] is False
+        # the adapter is held in bfloat16: half its float32 bytes
+        from lorahook import LoraAdapter
+        f32 = LoraAdapter.from_peft(os.path.join(adapters, "windowed")).nbytes
+        assert stats["adapters"]["nbytes"] == f32 // 2
+        assert any("adapters held in bfloat16" in line for line in lines)
         assert sum(n for n, _ in stats["batches"]) == len(asks) + 1  # every request admitted
     finally:
         assert stop_server(proc) == 0

@@ -26,6 +26,7 @@ def test_help_documents_every_option():
     (["--replicas", "0"], "--replicas"),
     (["--max-batch-size", "0"], "--max-batch-size"),
     (["--port", "0"], "--port"),
+    (["--max-models-per-replica", "0"], "--max-models-per-replica"),
 ])
 def test_bad_numbers_are_refused_by_name(tmp_path, argv, option):
     args = parser().parse_args([str(tmp_path), *argv])
@@ -92,6 +93,41 @@ def test_a_max_model_len_above_the_model_s_context_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"--max-model-len 129 is more than the model's "
                                          r"context \(128 tokens\)"):
         serve.main(parser().parse_args([str(tmp_path), "--max-model-len", "129"]))
+
+
+def test_many_tenants_options_have_stated_defaults_that_bound_memory(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    import json
+    import os
+    from lorahook.server.options import default_capacity_bytes, settings_from
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "max_position_embeddings": 128, "hidden_size": 8,
+        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "vocab_size": 10}))
+    text = " ".join(parser().format_help().split())
+    for option in ("--adapter-dtype", "--max-models-per-replica", "--resolver-capacity-bytes"):
+        assert option in text, option
+    assert "a quarter of this machine's memory, divided among the replicas" in text
+    args = parser().parse_args([str(tmp_path), "--replicas", "2"])
+    assert (args.adapter_dtype, args.max_models_per_replica) == ("float32", 64)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    settings = settings_from(args, None)
+    # never unbounded: a quarter of memory over the replicas, and the shared loader their sum
+    assert settings.capacity_bytes == default_capacity_bytes(2) == memory // 8
+    assert settings.resolver_capacity_bytes == 2 * settings.capacity_bytes
+    args = parser().parse_args([str(tmp_path), "--capacity-bytes", "1000", "--adapter-dtype",
+                                "bfloat16", "--max-models-per-replica", "300",
+                                "--resolver-capacity-bytes", "5000"])
+    settings = settings_from(args, None)
+    assert (settings.capacity_bytes, settings.adapter_dtype, settings.max_models_per_replica,
+            settings.resolver_capacity_bytes) == (1000, "bfloat16", 300, 5000)
+    # one shared loader per directory and dtype
+    other = settings_from(parser().parse_args([str(tmp_path), "--capacity-bytes", "1000"]), None)
+    assert other.resolver_name != settings.resolver_name
+    with pytest.raises(SystemExit):
+        parser().parse_args([str(tmp_path), "--adapter-dtype", "float64"])
+    with pytest.raises(ValueError, match="--resolver-capacity-bytes must be >= 0"):
+        serve.main(parser().parse_args([str(tmp_path), "--resolver-capacity-bytes", "-1"]))
 
 
 # --------------------------------------------------------------------------- Ray Serve's builder
