@@ -19,6 +19,23 @@ times the server's decode step in this process (no Ray, no HTTP): 64 rows over
 8 adapters, with the rows' selection bound once and reused by every step (what
 the server does) against a new selection -- a bind and a plan per hooked
 linear -- at every step.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/serve_bench.py tenants
+        [--size 0.5b|small] [--requests 512] [--adapter-dtype float32] [--skip-vllm]
+
+many tenants: 256 rank-8 adapters on disk (``q_proj v_proj o_proj down_proj``), a
+capacity that holds 32 of them (``--capacity-bytes``, ``--max-models-per-replica
+32``), 32 concurrent clients sending streaming requests one after another, each
+naming an adapter drawn with Zipf(1.0) popularity (the k-th most popular with
+probability proportional to 1/k; seeded, the same requests for both servers).
+Then the same to vLLM's OpenAI server with lorahook's plugin, on the same model,
+adapters and requests, with ``--max-loras 32 --max-cpu-loras 32`` (the same
+capacity, in adapters).  Both run on one core (``--threads 1``,
+``VLLM_CPU_OMP_THREADS_BIND=0``).  Reports failed requests (there must be none),
+requests and streamed tokens per second, and the time to first token (median,
+p99) of warm and cold requests: a request is cold when its adapter is not among
+the 32 most recently requested before it (its first use, or one the capacity
+has most likely evicted), warm otherwise.
 """
 import argparse
 import json
@@ -162,7 +179,187 @@ def step_cost(workdir, size="0.5b", rows=64, adapters=8, steps=16, rounds=5):
     return out
 
 
+# --------------------------------------------------------------------------- many tenants
+
+TENANTS, ROOM, CLIENTS = 256, 32, 32
+TENANT_PROMPT = "the big red dog runs over the mat"
+
+
+def zipf_requests(count, tenants=TENANTS, seed=0):
+    """``count`` adapter indices drawn with Zipf(1.0) popularity over ``tenants`` (seeded)."""
+    import numpy as np
+    p = 1.0 / np.arange(1, tenants + 1)
+    return np.random.default_rng(seed).choice(tenants, size=count, p=p / p.sum()).tolist()
+
+
+def warm_or_cold(picks, room=ROOM):
+    """For each request in order: whether its adapter is among the ``room`` most recently
+    requested distinct adapters before it (warm) or not (cold)."""
+    import collections
+    recent, out = collections.OrderedDict(), []
+    for k in picks:
+        out.append(k in recent)
+        recent[k] = None
+        recent.move_to_end(k)
+        if len(recent) > room:
+            recent.popitem(last=False)
+    return out
+
+
+def _stream(client, url, model, max_tokens):
+    """One streaming completion: (seconds to its first token, tokens streamed, error or None)."""
+    import time
+    start = time.perf_counter()
+    first, tokens = None, 0
+    try:
+        with client.stream("POST", url + "/v1/completions", json={
+                "model": model, "prompt": TENANT_PROMPT, "max_tokens": max_tokens,
+                "temperature": 0, "stream": True}) as resp:
+            if resp.status_code != 200:
+                return None, 0, f"HTTP {resp.status_code}: {resp.read()[:200]!r}"
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                body = json.loads(line[6:])
+                if "error" in body:
+                    return None, tokens, f"error event: {body['error']}"
+                if body.get("choices") and body["choices"][0].get("text"):
+                    tokens += 1
+                    if first is None:
+                        first = time.perf_counter() - start
+    except Exception as exc:  # a failed request is counted, not raised
+        return None, tokens, f"{type(exc).__name__}: {exc}"
+    return first, tokens, None
+
+
+def tenant_load(url, names, picks, max_tokens=16, clients=CLIENTS):
+    """``clients`` threads send ``picks`` (adapter indices) in order, each request when its
+    client's previous one ended; returns the figures of the run."""
+    import concurrent.futures
+    import statistics
+    import threading
+    import time
+
+    import httpx
+
+    warm = warm_or_cold(picks)
+    lock, results = threading.Lock(), [None] * len(picks)
+    queue = iter(range(len(picks)))
+
+    def client_loop():
+        with httpx.Client(timeout=600) as client:
+            while True:
+                with lock:
+                    i = next(queue, None)
+                if i is None:
+                    return
+                results[i] = _stream(client, url, names[picks[i]], max_tokens)
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as ex:
+        list(ex.map(lambda _: client_loop(), range(clients)))
+    wall = time.perf_counter() - t0
+    failures = [r[2] for r in results if r[2] is not None]
+
+    def spread(flag):
+        t = sorted(r[0] for r, w in zip(results, warm) if w == flag and r[0] is not None)
+        if not t:
+            return {"count": 0}
+        return {"count": len(t), "median_ttft_s": statistics.median(t),
+                "p99_ttft_s": t[min(len(t) - 1, int(round(0.99 * (len(t) - 1))))]}
+
+    return {"requests": len(picks), "failed": len(failures), "failures": failures[:5],
+            "requests_per_s": len(picks) / wall,
+            "tokens_per_s": sum(r[1] for r in results) / wall,
+            "warm": spread(True), "cold": spread(False)}
+
+
+def _vllm_server(model_dir, adapters_dir, names, log):
+    """vLLM's OpenAI server with lorahook's plugin over the same adapters: (process, URL)."""
+    import subprocess
+    import time
+
+    import httpx
+    from serve_files import _free_port
+    from vllm_run import child_env
+    port = _free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "256", "--max-num-seqs", str(CLIENTS), "--seed", "0",
+           "--enable-lora", "--max-loras", str(ROOM), "--max-cpu-loras", str(ROOM),
+           "--max-lora-rank", "8", "--lora-modules",
+           *[f"{n}={os.path.join(adapters_dir, n)}" for n in names]]
+    env = child_env({"VLLM_CPU_OMP_THREADS_BIND": "0", "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=os.path.dirname(os.path.abspath(model_dir)))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the vLLM server did not start in 900 s; see {log.name}")
+        time.sleep(1)
+
+
+def tenants(workdir, size="0.5b", requests=512, max_tokens=16, adapter_dtype="float32",
+            vllm=True):
+    """lorahook serve, then vLLM with lorahook's plugin, on 256 tenants with room for 32."""
+    from serve_files import save_model
+    from vllm_files import TENANT_KINDS, save_tenants
+    model_dir = save_model(os.path.join(workdir, f"llama-{size}"), **SIZES[size])
+    adapters_dir, names, elements = save_tenants(workdir, TENANTS, size, TENANT_KINDS[:1])
+    per_adapter = elements // TENANTS * (2 if adapter_dtype != "float32" else 4)
+    picks = zipf_requests(requests)
+    out = {"size": size, "tenants": TENANTS, "room": ROOM, "clients": CLIENTS,
+           "requests": requests, "max_tokens": max_tokens, "adapter_dtype": adapter_dtype,
+           "distinct adapters requested": len(set(picks)),
+           "cold requests": warm_or_cold(picks).count(False)}
+    proc, url = start_server(model_dir, adapters_dir, "--capacity-bytes",
+                             str(ROOM * per_adapter), "--max-models-per-replica", str(ROOM),
+                             "--max-batch-size", str(CLIENTS), "--threads", "1",
+                             "--adapter-dtype", adapter_dtype)
+    try:
+        tenant_load(url, names, [0] * CLIENTS, max_tokens)  # warm-up: the model, not the tenants
+        out["lorahook serve"] = tenant_load(url, names, picks, max_tokens)
+        out["lorahook serve"]["adapters"] = _stats(url)["adapters"]
+    finally:
+        stop_server(proc)
+    if vllm:
+        with open(os.path.join(workdir, "vllm.log"), "w") as log:
+            proc, url = _vllm_server(model_dir, adapters_dir, names, log)
+            try:
+                tenant_load(url, names, [0] * CLIENTS, max_tokens)
+                out["vLLM + lorahook plugin"] = tenant_load(url, names, picks, max_tokens)
+            finally:
+                proc.terminate()
+                proc.wait(120)
+        a, b = out["lorahook serve"], out["vLLM + lorahook plugin"]
+        out["lorahook serve / vLLM (requests/s)"] = a["requests_per_s"] / b["requests_per_s"]
+    return out
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "tenants":
+        p = argparse.ArgumentParser(prog="serve_bench.py tenants",
+                                    description="lorahook serve for many tenants, beside vLLM")
+        p.add_argument("--size", choices=list(SIZES), default="0.5b")
+        p.add_argument("--requests", type=int, default=512)
+        p.add_argument("--max-tokens", type=int, default=16)
+        p.add_argument("--adapter-dtype", choices=["float32", "bfloat16", "float16"],
+                       default="float32")
+        p.add_argument("--skip-vllm", action="store_true")
+        a = p.parse_args(sys.argv[2:])
+        with tempfile.TemporaryDirectory(prefix="lorahook-tenants-") as tmp:
+            print(json.dumps(tenants(tmp, a.size, a.requests, a.max_tokens, a.adapter_dtype,
+                                     not a.skip_vllm), indent=2), flush=True)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=[*SIZES, "all"], default="0.5b")
     parser.add_argument("--max-batch-size", type=int, default=64)
