@@ -18,6 +18,9 @@ Scenarios (Qwen-like projections, rank 16 unless named):
 ``LORAHOOK_BENCH_SLOWDOWN=k`` (an integer, default 1) makes lorahook's side do
 its call ``k`` times: a known slowdown, to see ``asv continuous`` and ``asv
 compare`` flag it with its factor (see the Benchmarks guide).
+``LORAHOOK_BENCH_QUICK=1`` times every ratio (here, in ``bench_generate`` and
+``bench_serve``) over 3 rounds instead of its usual count: a check that the
+benchmarks run (as CI's ``asv run --quick``), not a measurement.
 """
 import os
 import time
@@ -58,7 +61,12 @@ def slowdown():
 
 
 def median_ratio(f, g, rounds=ROUNDS):
-    """Median time of ``f`` over median time of ``g``, called in alternation (one warm-up each)."""
+    """Median time of ``f`` over median time of ``g``, called in alternation (one warm-up each).
+
+    ``rounds`` rounds, or 3 with ``LORAHOOK_BENCH_QUICK=1``.
+    """
+    if os.environ.get("LORAHOOK_BENCH_QUICK") == "1":
+        rounds = min(rounds, 3)
     f(), g()
     tf, tg = [], []
     for i in range(rounds):
