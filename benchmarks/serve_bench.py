@@ -276,36 +276,13 @@ def tenant_load(url, names, picks, max_tokens=16, clients=CLIENTS):
 
 def _vllm_server(model_dir, adapters_dir, names, log):
     """vLLM's OpenAI server with lorahook's plugin over the same adapters: (process, URL)."""
-    import subprocess
-    import time
-
-    import httpx
-    from serve_files import _free_port
-    from vllm_run import child_env
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "256", "--max-num-seqs", str(CLIENTS), "--seed", "0",
-           "--enable-lora", "--max-loras", str(ROOM), "--max-cpu-loras", str(ROOM),
-           "--max-lora-rank", "8", "--lora-modules",
-           *[f"{n}={os.path.join(adapters_dir, n)}" for n in names]]
+    from vllm_run import child_env, start_api_server
+    args = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", str(CLIENTS),
+            "--seed", "0", "--enable-lora", "--max-loras", str(ROOM), "--max-cpu-loras",
+            str(ROOM), "--max-lora-rank", "8", "--lora-modules",
+            *[f"{n}={os.path.join(adapters_dir, n)}" for n in names]]
     env = child_env({"VLLM_CPU_OMP_THREADS_BIND": "0", "PYTHONUNBUFFERED": "1"})
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=os.path.dirname(os.path.abspath(model_dir)))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the vLLM server did not start in 900 s; see {log.name}")
-        time.sleep(1)
+    return start_api_server(model_dir, args, env, log, timeout=900)
 
 
 def tenants(workdir, size="0.5b", requests=512, max_tokens=16, adapter_dtype="float32",

@@ -25,3 +25,21 @@ def module_setup(module):
             raise NotImplementedError  # measured in another environment
 
     return setup
+
+
+def preimport(*modules):
+    """Import ``modules`` now, those that are installed (the others are skipped silently).
+
+    A suite module calls this at import for the peers its benchmarks use
+    (torch, transformers, PEFT, vLLM): asv imports the suite once in its
+    forkserver and forks a process for each benchmark and parameter set,
+    which then finds them imported instead of importing them again, seconds
+    each time.  A benchmark still raises ``NotImplementedError`` in ``setup``
+    when one is missing.
+    """
+    import importlib
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass

@@ -8,10 +8,12 @@ without torch, transformers or peft, or on lorahook versions without them.
 """
 import tempfile
 
-from . import module_setup
+from . import module_setup, preimport
 
 # every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
 setup = module_setup(__name__)
+# the peers, imported once in asv's forkserver rather than in each benchmark's process
+preimport("torch", "transformers", "peft")
 
 
 class _Scenario:

@@ -18,10 +18,12 @@ import numpy as np
 
 # rows, d_in, d_out, rank, adapters: a decode step, a small prefill, a large one
 
-from . import module_setup
+from . import module_setup, preimport
 
 # every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
 setup = module_setup(__name__)
+# the peers, imported once in asv's forkserver rather than in each benchmark's process
+preimport("torch", "vllm.lora.ops.torch_ops")
 
 
 SHAPES = {

@@ -103,45 +103,54 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def server(spec):
+def start_api_server(model, args, env, log, timeout=600):
+    """vLLM's OpenAI server for ``model`` on a free loopback port, with ``args`` (a list) and
+    ``env`` (its whole environment), its output into ``log``: ``(process, URL)`` once
+    ``/health`` answers."""
     import httpx
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec["model"],
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", spec.get("dtype", "float32"),
-           "--max-model-len", "256", "--max-num-seqs", str(spec.get("max_num_seqs", 64)),
-           "--served-model-name", "base", "--seed", "0"]
-    lora = _lora_args(spec)
-    if lora:
-        cmd += ["--enable-lora", "--max-loras", str(lora["max_loras"]), "--max-lora-rank",
-                str(lora["max_lora_rank"])]
-        if lora["max_cpu_loras"]:
-            cmd += ["--max-cpu-loras", str(lora["max_cpu_loras"])]
-        if spec.get("preload", True) and spec["names"]:
-            cmd += ["--lora-modules"] + [f"{n}={os.path.join(spec['adapters'], n)}"
-                                          for n in sorted(set(spec["names"]))]
-    # unbuffered: every process's log line is in the file even when the server is stopped
-    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", PYTHONUNBUFFERED="1")
-    log = open(spec.get("log", os.devnull), "w")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), *args]
     # started beside the model, not in the caller's directory: `python -m` puts the working
     # directory first on sys.path, and a lorahook source tree there (no compiled core)
     # would shadow the installed package, and the plugin would fail to load
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=os.path.dirname(os.path.abspath(spec["model"])))
+                            cwd=os.path.dirname(os.path.abspath(model)))
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the vLLM server did not start in {timeout} s")
+        time.sleep(1)
+
+
+def server(spec):
+    args = ["--dtype", spec.get("dtype", "float32"), "--max-model-len", "256",
+            "--max-num-seqs", str(spec.get("max_num_seqs", 64)), "--served-model-name", "base",
+            "--seed", "0"]
+    lora = _lora_args(spec)
+    if lora:
+        args += ["--enable-lora", "--max-loras", str(lora["max_loras"]), "--max-lora-rank",
+                 str(lora["max_lora_rank"])]
+        if lora["max_cpu_loras"]:
+            args += ["--max-cpu-loras", str(lora["max_cpu_loras"])]
+        if spec.get("preload", True) and spec["names"]:
+            args += ["--lora-modules"] + [f"{n}={os.path.join(spec['adapters'], n)}"
+                                          for n in sorted(set(spec["names"]))]
+    # unbuffered: every process's log line is in the file even when the server is stopped
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", PYTHONUNBUFFERED="1")
+    log = open(spec.get("log", os.devnull), "w")
+    proc, url = start_api_server(spec["model"], args, env, log)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the vLLM server did not start in 600 s")
-            time.sleep(1)
         return _server_work(spec, url)
     finally:
         proc.terminate()
