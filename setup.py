@@ -9,8 +9,11 @@ import sys
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 debug = os.environ.get("LORAHOOK_CYTHON_DEBUG", "") not in ("", "0")
+# this process's CPUs: Cython translates, and the compiler compiles, that many modules at once
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 directives = {
     "language_level": 3,
@@ -53,6 +56,19 @@ extensions = [
     for name, extra in MODULES.items()
 ]
 
+
+class ParallelBuildExt(build_ext):
+    """``build_ext`` compiling the modules on every CPU unless ``--parallel`` / ``-j`` says
+    otherwise (pip and ``python -m build`` pass no option)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = CPUS
+
+
 # force=True: the generated C depends on the directives above, which file
-# times cannot tell, so it is always regenerated.
-setup(ext_modules=cythonize(extensions, compiler_directives=directives, force=True))
+# times cannot tell, so it is always regenerated (on every CPU, nthreads).
+setup(ext_modules=cythonize(extensions, compiler_directives=directives, force=True,
+                            nthreads=CPUS),
+      cmdclass={"build_ext": ParallelBuildExt})
