@@ -96,10 +96,11 @@ cdef int _row_loop(const Segment *s, const float *X, float *Y, int d_in, int d_o
     cdef Py_ssize_t n = s.n_rows, i, r
     cdef float alpha
     cdef float *yr
-    cdef float *t
-    t = lorahook_scratch_slot(<size_t>rank, LH_SCRATCH_PRODUCTS, &owned)
-    if t == NULL:
-        return -1
+    cdef float *t = NULL
+    if not s.direct:  # t = A x; a saved module's rows are one product and need none
+        t = lorahook_scratch_slot(<size_t>rank, LH_SCRATCH_PRODUCTS, &owned)
+        if t == NULL:
+            return -1
     for i in range(n):
         r = seg_row(s, i)
         alpha = seg_scale(s, i)

@@ -335,9 +335,13 @@ class LoraAdapter(KernelTable, LoraHook):
         never imports it).  Calls compute in float32 from the rounded values,
         widened per call; :meth:`delta_weight`, :func:`blend` and
         :meth:`merge_into` work in float32; :meth:`save_peft` writes ``dtype``.
+        ``self`` when every layer is already in ``dtype``.
         """
         dt = weight_dtype(dtype)
-        return self._derived({k: layer.astype(dt) for k, layer in self._layers.items()})
+        layers = {k: layer.astype(dt) for k, layer in self._layers.items()}
+        if all(layers[k] is layer for k, layer in self._layers.items()):
+            return self  # every layer already in dtype (adapters are immutable)
+        return self._derived(layers)
 
     def scaled(self, factor):
         """The same arrays with every scale multiplied by ``factor``.

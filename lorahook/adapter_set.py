@@ -29,8 +29,7 @@ from .adapter import base_lookup, store_entry
 from .bound import bound_batch, bound_sequences, checked_names, group_units, refuse_unknown
 from .bound import unit_factors
 from .errors import LoraCapacityError
-from .resolver import (Load, check_adapter, check_lookup_name, check_name, check_resolver,
-                       held_as, resolve)
+from .resolver import Load, check_adapter, check_lookup_name, check_name, check_resolver, resolve
 
 __all__ = ["AdapterSet"]
 
@@ -100,9 +99,9 @@ class AdapterSet:
         The base weights DoRA layers need, as :meth:`set_base_weights` takes.
     dtype : {None, "float32", "float16", "bfloat16"}, optional
         The dtype adapters are held in: each one added or loaded is converted
-        (:meth:`~lorahook.LoraAdapter.astype`; a PEFT directory is read in
-        it), and capacity counts its bytes in it.  ``None``: as given (float32
-        from a directory).
+        (:meth:`~lorahook.LoraAdapter.astype`, which keeps one already in it),
+        and capacity counts its bytes in it.  ``None``: as given (float32 from
+        a directory).
 
     Examples
     --------
@@ -172,7 +171,8 @@ class AdapterSet:
 
     def _checked(self, adapter):
         """Validate an adapter about to be installed and give its DoRA layers their base."""
-        adapter = held_as(adapter, self._dtype)
+        if self._dtype is not None:
+            adapter = adapter.astype(self._dtype)
         if self._model is not None:
             adapter.validate_against(self._model)
         base = self._base_weights
@@ -308,7 +308,7 @@ class AdapterSet:
         """Resolve and validate ``name`` for ``job`` (this thread owns it); errors go in the job."""
         start = time.perf_counter()
         try:
-            adapter = resolve(self._resolver, name, self._dtype)
+            adapter = resolve(self._resolver, name)
             job.value = self._checked(adapter)
         except Exception as exc:
             job.error = exc

@@ -56,8 +56,7 @@ from .adapter import LoraAdapter
 from .adapter_set import AdapterSet
 from ._arrays import weight_dtype
 from ._capacity import checked_capacity
-from .resolver import Load, check_name, check_resolver, held_as, identity as resolver_identity
-from .resolver import resolve
+from .resolver import Load, check_name, check_resolver, identity as resolver_identity, resolve
 
 __all__ = ["batch", "DONE", "Joined", "multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"]
 
@@ -235,10 +234,7 @@ class _ResolverActor:
 
     def __init__(self, resolver, dtype=None, capacity_bytes=None):
         self._resolver = resolver
-        self._dtype_name = dtype
-        if dtype == "bfloat16":
-            import ml_dtypes  # noqa: F401  (weight_dtype names it through ml_dtypes)
-        self._dtype = None if dtype is None else weight_dtype(dtype)
+        self._dtype = dtype  # a checked numpy dtype (ml_dtypes' bfloat16 unpickles with it)
         self._capacity = capacity_bytes
         self._lock = threading.Lock()
         self._held = collections.OrderedDict()  # name -> (ObjectRef, nbytes), least recent first
@@ -261,7 +257,9 @@ class _ResolverActor:
         if mine:
             try:
                 # the resolver rules of AdapterSet: safe names, directories, callables
-                adapter = held_as(resolve(self._resolver, name, self._dtype), self._dtype)
+                adapter = resolve(self._resolver, name)
+                if self._dtype is not None:
+                    adapter = adapter.astype(self._dtype)
                 nbytes = adapter.nbytes
                 job.value = ray.put(adapter)
                 del adapter
@@ -298,7 +296,7 @@ class _ResolverActor:
             self._evictions += 1
 
     def resolver_identity(self):
-        return tuple(resolver_identity(self._resolver)) + (self._dtype_name,)
+        return tuple(resolver_identity(self._resolver)) + (_dtype_name(self._dtype),)
 
     def drop(self, name):
         with self._lock:
@@ -316,10 +314,14 @@ class _ResolverActor:
                 "nbytes": int(sum(n for _, n in self._held.values())),
                 "capacity_bytes": self._capacity,
                 "evictions": self._evictions,
-                "dtype": self._dtype_name,
+                "dtype": _dtype_name(self._dtype),
                 "loading": len(self._loading),
                 "pid": os.getpid(),
             }
+
+
+def _dtype_name(dtype):
+    return None if dtype is None else dtype.name
 
 
 _RemoteResolverActor = ray.remote(_ResolverActor)
@@ -344,7 +346,7 @@ class SharedResolver:
     def __init__(self, resolver, name="lorahook-adapters", dtype=None, capacity_bytes=None):
         self._resolver = check_resolver(resolver, optional=False)
         self._name = check_name(name, "name (the actor's name)")
-        self._dtype = None if dtype is None else weight_dtype(dtype).name
+        self._dtype = None if dtype is None else weight_dtype(dtype)
         self._capacity = checked_capacity(capacity_bytes)
         self._checked = False  # whether the running actor's resolver was compared with ours
 
@@ -363,7 +365,7 @@ class SharedResolver:
 
     @property
     def dtype(self):
-        """The name of the dtype adapters are loaded in (``None``: float32, as read)."""
+        """The dtype adapters are held in (a numpy dtype), or ``None``: as read (float32)."""
         return self._dtype
 
     @property
@@ -404,7 +406,7 @@ class SharedResolver:
             return
         running = tuple(ray.get(handle.resolver_identity.remote()))
         self._checked = True
-        mine = tuple(resolver_identity(self._resolver)) + (self._dtype,)
+        mine = tuple(resolver_identity(self._resolver)) + (_dtype_name(self._dtype),)
         if running != mine:
             warnings.warn(
                 f"shared_resolver {self._name!r} uses a running actor that loads with another "
@@ -516,9 +518,9 @@ def shared_resolver(resolver, *, name="lorahook-adapters", dtype=None, capacity_
     name : str, default "lorahook-adapters"
         The actor's name in Ray namespace ``lorahook``.
     dtype : {None, "float32", "float16", "bfloat16"}, optional
-        The dtype the actor loads adapters in (a PEFT directory is read in
-        it; an adapter a callable returns is converted): what the object store
-        holds and the replicas map.  ``None``: as read (float32).  Give the
+        The dtype the actor holds adapters in (each one it loads is converted,
+        :meth:`~lorahook.LoraAdapter.astype`): what the object store holds and
+        the replicas map.  ``None``: as read (float32).  Give the
         replicas' sets the same ``dtype``, or each converts its own copy.
     capacity_bytes : int, optional
         The most bytes of adapters the actor keeps (``None``: every adapter

@@ -26,7 +26,7 @@ from .adapter import LoraAdapter, kernel_dispatch
 from .errors import LoraFormatError
 
 __all__ = ["check_name", "check_lookup_name", "check_adapter", "check_resolver", "resolve",
-           "held_as", "identity", "Load"]
+           "identity", "Load"]
 
 
 def check_name(name, what="adapter name"):
@@ -86,38 +86,21 @@ def safe_component(name):
             and os.path.basename(name) == name)
 
 
-def held_as(adapter, dtype):
-    """``adapter`` with its arrays in ``dtype`` (a checked weight dtype; ``None``: as it is).
-
-    The adapter itself when its arrays are already ``dtype``, else
-    :meth:`~lorahook.LoraAdapter.astype`'s copy.
-    """
-    if dtype is None:
-        return adapter
-    try:
-        if adapter.dtype == dtype:
-            return adapter
-    except TypeError:  # layers of several dtypes
-        pass
-    return adapter.astype(dtype)
-
-
-def load_directory(name, path, dtype=None):
-    """A resolved name's PEFT directory, read with ``LoraAdapter.from_peft`` (in ``dtype``)."""
+def load_directory(name, path):
+    """A resolved name's PEFT directory, read with ``LoraAdapter.from_peft``."""
     if not os.path.isdir(path):
         raise LoraFormatError(f"adapter {name!r}: {os.fspath(path)} is not a PEFT adapter "
                               f"directory (expected a directory with adapter_config.json)")
     if not os.path.exists(os.path.join(path, "adapter_config.json")):
         raise LoraFormatError(f"adapter {name!r}: {os.fspath(path)} is not a PEFT adapter "
                               f"directory: it has no adapter_config.json")
-    return LoraAdapter.from_peft(path, dtype=dtype)
+    return LoraAdapter.from_peft(path)
 
 
-def resolve(resolver, name, dtype=None):
+def resolve(resolver, name):
     """The adapter ``resolver`` gives for ``name``, by the rules above and nothing else.
 
-    ``resolver`` is a checked directory path or callable (:func:`check_resolver`);
-    a PEFT directory it leads to is read in ``dtype`` (``None``: float32).
+    ``resolver`` is a checked directory path or callable (:func:`check_resolver`).
     ``KeyError`` for an unknown or unsafe name, ``LoraFormatError`` for a path that
     is not a PEFT directory, ``TypeError`` for a callable's wrong answer.
     """
@@ -128,7 +111,7 @@ def resolve(resolver, name, dtype=None):
         if isinstance(found, LoraAdapter):
             return check_adapter(name, found)
         if isinstance(found, (str, os.PathLike)):
-            return load_directory(name, found, dtype)
+            return load_directory(name, found)
         raise TypeError(f"the resolver returned {type(found).__name__} for {name!r}; "
                         f"expected a LoraAdapter, a path or None")
     if not safe_component(name):
@@ -137,7 +120,7 @@ def resolve(resolver, name, dtype=None):
     path = os.path.join(resolver, name)
     if not os.path.lexists(path):
         raise KeyError(f"no adapter named {name!r}: {path} does not exist")
-    return load_directory(name, path, dtype)
+    return load_directory(name, path)
 
 
 def identity(resolver):

@@ -176,6 +176,10 @@ def test_astype_keeps_arrays_in_the_dtype_and_halves_nbytes(path, dt):
     back = pickle.loads(pickle.dumps(half, protocol=5))
     assert back.layers[KEY].a.dtype == dt and not back.layers[KEY].a.flags.writeable
     assert half.astype(np.float32).layers[KEY].a.dtype == np.float32
+    # an adapter already in the dtype is itself (immutable: no copy, no new object)
+    assert half.astype(dt) is half and full.astype(np.float32) is full
+    mixed = LoraAdapter({KEY: half.layers[KEY], (0, "q_proj"): full.layers[(0, "q_proj")]})
+    assert mixed.astype(dt) is not mixed and mixed.astype(dt).layers[KEY] is half.layers[KEY]
 
 
 def test_astype_refuses_other_dtypes():

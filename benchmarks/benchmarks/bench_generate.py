@@ -2,8 +2,9 @@
 
 ``GenerateRatios`` times lorahook and a peer (PEFT's ``adapter_names``, or the
 base model without adapters) in alternation in one benchmark and tracks the
-ratio of their medians.  Skipped
-(``NotImplementedError``) where torch, transformers or peft are not installed, or on lorahook versions without sequence selections.
+ratio of their medians.  Skipped (``NotImplementedError``) where torch,
+transformers or peft are not installed, or on lorahook versions without
+sequence selections.
 """
 import tempfile
 

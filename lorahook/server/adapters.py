@@ -80,7 +80,7 @@ class ReplicaAdapters:
         """The AdapterSet's resolver (runs in worker threads)."""
         path = self.paths.get(key)
         if path is not None:
-            return LoraAdapter.from_peft(path, dtype=self.set.dtype)
+            return LoraAdapter.from_peft(path)
         return self.shared(key) if self.shared is not None and "/" not in key else None
 
     # --- runtime adapters ----------------------------------------------
