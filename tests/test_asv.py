@@ -27,8 +27,13 @@ MACHINE = "lorahook-test-machine"
 
 
 def _asv(args, cwd, env=None):
+    # asv's benchmark runner takes every PYTHONPATH entry off its sys.path, and
+    # the tests' PYTHONPATH names lorahook's import root (tests/conftest.py),
+    # which in CI is site-packages itself: the runner imports what this
+    # environment installed, as ``asv run --python=same`` does for a user
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-m", "asv", *args], cwd=cwd, text=True,
-                          capture_output=True, env=dict(os.environ, **(env or {})), timeout=900)
+                          capture_output=True, env=dict(environ, **(env or {})), timeout=900)
     assert proc.returncode == 0, f"asv {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
