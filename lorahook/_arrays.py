@@ -19,11 +19,13 @@ def finite_scale(value, name):
     return finite_real(value, name, float32=True)
 
 
-WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "int8")
+INT8 = np.dtype(np.int8)
+_WEIGHT_NAMES = "float32, float16, bfloat16 or int8"
 
 
 def weight_dtype(dtype):
-    """The numpy dtype for ``float32`` / ``float16`` / ``bfloat16`` (ml_dtypes); TypeError otherwise."""
+    """The numpy dtype for ``float32`` / ``float16`` / ``bfloat16`` (ml_dtypes) / ``int8``; TypeError otherwise."""
     if isinstance(dtype, str) and dtype == "bfloat16":
         ml = sys.modules.get("ml_dtypes")
         if ml is None:
@@ -33,17 +35,69 @@ def weight_dtype(dtype):
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
+        raise TypeError(f"dtype must be {_WEIGHT_NAMES}, got {dtype!r}") from None
     if dt.name not in WEIGHT_DTYPES or not dt.isnative or (dt.name == "bfloat16" and dt.num < 256):
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dt}")
+        raise TypeError(f"dtype must be {_WEIGHT_NAMES}, got {dt}")
     return dt
 
 
 def as_float32(arr):
-    """A float32 array of ``arr``'s values (``arr`` itself when it is float32); exact."""
+    """A float32 array of ``arr``'s float values (``arr`` itself when it is float32); exact.
+
+    int8 factors are not values on their own (they go with their scales):
+    :func:`dequantized` reads them.
+    """
     if arr.dtype == np.float32:
         return arr
+    if arr.dtype == INT8:
+        raise TypeError("int8 factors need their scales: dequantize them with their layer")
     return widen(np.ascontiguousarray(arr).view(np.uint16), arr.dtype.name)
+
+
+def quantized(values, axis):
+    """``values`` (2-D, float32) in int8 with a float32 scale per slice along ``axis``.
+
+    Symmetric, round to nearest (ties to even): the scale of a slice is its
+    largest magnitude over 127 and ``q = rint(v / scale)``, computed in float64
+    and kept in ``[-127, 127]``.  A slice whose scale is zero in float32 (all
+    zeros, or every magnitude below about ``1.8e-43``) is all zeros with scale
+    zero.  ``axis=1``: one scale per row (``A``); ``axis=0``: one per column
+    (``B^T``, one per output).  Returns read-only ``(q, scale)``.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    n = v.shape[1 - axis]
+    peak = np.abs(v).max(axis=axis) if v.shape[axis] else np.zeros(n)
+    scale = (peak / 127.0).astype(np.float32)
+    s64 = np.expand_dims(scale.astype(np.float64), axis)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s64 > 0, np.rint(v / np.where(s64 > 0, s64, 1.0)), 0.0)
+    q = np.ascontiguousarray(np.clip(q, -127, 127).astype(np.int8))
+    for arr in (q, scale):
+        arr.flags.writeable = False
+    return q, scale
+
+
+def dequantized(q, scale, axis):
+    """The float32 values of int8 ``q`` with ``scale`` per slice along ``axis`` (:func:`quantized`).
+
+    Each value is ``q * scale`` computed in float64 and rounded once to float32.
+    """
+    out = q.astype(np.float64) * np.expand_dims(scale.astype(np.float64), axis)
+    return out.astype(np.float32)
+
+
+def check_int8_scales(a, bt, scales, name="int8 scales"):
+    """The scales of int8 factors: float32 ``(rank,)`` and ``(d_out,)``, finite and >= 0."""
+    if not isinstance(scales, tuple) or len(scales) != 2:
+        raise TypeError(f"{name} must be a pair of arrays (per row of a, per output)")
+    for what, arr, n in zip(("a", "b"), scales, (a.shape[0], bt.shape[1])):
+        adoptable(arr, f"{what}'s {name}", 1)
+        if arr.shape != (n,):
+            raise ValueError(f"{what}'s {name} must have shape ({n},), got {arr.shape}")
+        if not (np.isfinite(arr).all() and (arr >= 0).all()):
+            raise ValueError(f"{what}'s {name} must be finite and >= 0, got "
+                             f"{int(np.count_nonzero(~(np.isfinite(arr) & (arr >= 0))))} "
+                             f"that are not")
 
 
 def rounded(arr32, dt):

@@ -13,7 +13,11 @@ cdef class LayerKernel:
     cdef const unsigned short[:, ::1] a16   # a and bt as 16-bit patterns (half weights)
     cdef const unsigned short[:, ::1] bt16
     cdef const unsigned short[::1] bias16
-    cdef int wkind                 # -1: float32 weights; else the _halfconv.h kind
+    cdef const signed char[:, ::1] a8    # a and bt in int8 (int8 weights), with
+    cdef const signed char[:, ::1] bt8
+    cdef const float[::1] a_scale        # a scale per row of a and
+    cdef const float[::1] b_scale        # one per output (per column of bt)
+    cdef int wkind                 # WKIND_F32, WKIND_INT8 or the _halfconv.h kind (_lora_gemm.pxd)
     cdef const float[::1] bias
     cdef readonly int rank
     cdef readonly int d_in

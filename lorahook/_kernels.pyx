@@ -20,7 +20,7 @@ from libc.limits cimport INT_MAX
 
 from lorahook._checks cimport check_buffers
 from lorahook._halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16
-from lorahook._lora_gemm cimport PRE_AFFINE, PRE_NONE, PRE_REPLACE, Segment
+from lorahook._lora_gemm cimport PRE_AFFINE, PRE_NONE, PRE_REPLACE, WKIND_F32, WKIND_INT8, Segment
 from lorahook._segments cimport run_embedding_segments, run_segments
 
 import numpy as np
@@ -52,7 +52,7 @@ cdef class LayerKernel:
     """
 
     def __cinit__(self, a, bt, scale, bias=None, weights="float32", *, int kind=KIND_LORA,
-                  pre_mul=None, pre_add=None, bint needs_base=False):
+                  pre_mul=None, pre_add=None, bint needs_base=False, scales=None):
         cdef Py_ssize_t rank, d_in, d_out, bt_rank
         if kind not in (KIND_LORA, KIND_EMBEDDING, KIND_SAVED_LINEAR, KIND_SAVED_EMBEDDING):
             raise ValueError(f"kind must be one of the KIND_* values, got {kind}")
@@ -63,7 +63,7 @@ cdef class LayerKernel:
             if a is not None or bias is not None or weights != "float32" or pre_mul is not None:
                 raise ValueError("a saved module's kernel takes bt (and pre_add as its bias) only, "
                                  "in float32")
-            self.wkind = -1
+            self.wkind = WKIND_F32
             self.bt = bt
             d_in, d_out = self.bt.shape[0], self.bt.shape[1]
             if d_in < 1 or d_out < 1 or d_in > INT_MAX or d_out > INT_MAX:
@@ -83,8 +83,10 @@ cdef class LayerKernel:
             return
         if (pre_mul is None) != (pre_add is None):
             raise ValueError("pre_mul and pre_add go together")
+        if weights in ("float32", "float16", "bfloat16") and scales is not None:
+            raise ValueError(f"{weights} weights take no scales")
         if weights == "float32":
-            self.wkind = -1
+            self.wkind = WKIND_F32
             self.a = a
             self.bt = bt
             rank, d_in = self.a.shape[0], self.a.shape[1]
@@ -95,8 +97,21 @@ cdef class LayerKernel:
             self.bt16 = bt
             rank, d_in = self.a16.shape[0], self.a16.shape[1]
             bt_rank, d_out = self.bt16.shape[0], self.bt16.shape[1]
+        elif weights == "int8":
+            if scales is None:
+                raise ValueError("int8 weights take scales=(a_scale, b_scale)")
+            self.wkind = WKIND_INT8
+            self.a8 = a
+            self.bt8 = bt
+            self.a_scale, self.b_scale = scales
+            rank, d_in = self.a8.shape[0], self.a8.shape[1]
+            bt_rank, d_out = self.bt8.shape[0], self.bt8.shape[1]
+            if self.a_scale.shape[0] != rank or self.b_scale.shape[0] != d_out:
+                raise ValueError(f"int8 scales must have shapes ({rank},) and ({d_out},), got "
+                                 f"({self.a_scale.shape[0]},) and ({self.b_scale.shape[0]},)")
         else:
-            raise ValueError(f"weights must be 'float32', 'float16' or 'bfloat16', got {weights!r}")
+            raise ValueError(f"weights must be 'float32', 'float16', 'bfloat16' or 'int8', "
+                             f"got {weights!r}")
         if bt_rank != rank:
             raise ValueError(f"bt must have shape ({rank}, d_out), got {bt_rank, d_out}")
         if d_in < 1 or d_out < 1:
@@ -111,7 +126,7 @@ cdef class LayerKernel:
         if self.has_bias and rank == 0:
             raise ValueError("a rank-0 layer cannot carry a bias")
         cdef Py_ssize_t bias_len = 0
-        if self.has_bias and self.wkind < 0:
+        if self.has_bias and self.wkind < 0:  # float32 and int8 weights: a float32 bias
             self.bias = bias
             bias_len = self.bias.shape[0]
         elif self.has_bias:
@@ -120,7 +135,7 @@ cdef class LayerKernel:
         if self.has_bias and bias_len != d_out:
             raise ValueError(f"bias must have shape ({d_out},), got ({bias_len},)")
         if pre_mul is not None:
-            if self.wkind >= 0 or kind != KIND_LORA:
+            if self.wkind != WKIND_F32 or kind != KIND_LORA:
                 raise ValueError("pre_mul / pre_add go with float32 linear LoRA kernels only")
             self.pre = PRE_AFFINE
             self.pre_mul = pre_mul
@@ -138,12 +153,21 @@ cdef class LayerKernel:
         s.b = NULL
         s.a16 = NULL
         s.b16 = NULL
+        s.a8 = NULL
+        s.b8 = NULL
+        s.a_scale = NULL
+        s.b_scale = NULL
         s.direct = self.kind == KIND_SAVED_LINEAR or self.kind == KIND_SAVED_EMBEDDING
         if s.direct:
             s.b = &self.bt[0, 0]
-        elif self.rank > 0 and self.wkind < 0:
+        elif self.rank > 0 and self.wkind == WKIND_F32:
             s.a = &self.a[0, 0]
             s.b = &self.bt[0, 0]
+        elif self.rank > 0 and self.wkind == WKIND_INT8:
+            s.a8 = &self.a8[0, 0]
+            s.b8 = &self.bt8[0, 0]
+            s.a_scale = &self.a_scale[0]
+            s.b_scale = &self.b_scale[0]
         elif self.rank > 0:
             s.a16 = &self.a16[0, 0]
             s.b16 = &self.bt16[0, 0]

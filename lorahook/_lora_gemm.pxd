@@ -43,6 +43,13 @@ cdef extern from *:
     void lorahook_affine(float *y, const float *m, const float *c, size_t n) noexcept nogil
 
 
+# What a segment's factors are held in (Segment.wkind), besides a _halfconv.h
+# kind (LORAHOOK_HALF_F16 / BF16, both >= 0) for 16-bit factors.
+cdef enum:
+    WKIND_F32 = -1    # float32: a, b
+    WKIND_INT8 = -2   # int8 with float32 scales: a8, b8, a_scale, b_scale (_int8.h)
+
+
 # What an output row becomes before the delta is added (Segment.pre).
 cdef enum:
     PRE_NONE = 0      # y
@@ -56,7 +63,11 @@ cdef struct Segment:
     const float *b          # B^T: (rank, d_out) row-major; with b_rows, B: (d_out, rank)
     const unsigned short *a16   # the same as 16-bit patterns when wkind >= 0
     const unsigned short *b16
-    int wkind               # -1: float32 weights; else the _halfconv.h kind of a16/b16
+    const signed char *a8   # the same in int8 when wkind is WKIND_INT8: A (rank, d_in),
+    const signed char *b8   # B^T (rank, d_out) (never b_rows),
+    const float *a_scale    # one scale per row of A (rank,),
+    const float *b_scale    # and one per output (d_out,)
+    int wkind               # WKIND_F32, WKIND_INT8, or the _halfconv.h kind of a16/b16
     const float *bias       # (d_out,) or NULL
     const unsigned short *bias16   # the bias as 16-bit patterns (wkind >= 0), or NULL
     int rank                # the inner width of the product with b (d_in for one product)

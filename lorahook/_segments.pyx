@@ -14,7 +14,10 @@ d_in)``, ``B`` is ``(d_out, rank)``) the update is ``Y += s * (X A^T) B^T``:
   each 16-bit value rounded once;
 * 16-bit rows below the crossover are widened a chunk at a time into
   float32 rows for the row loop, and rounded back once (:c:func:`_run_half_rows`);
-* an embedding segment gathers columns of ``A`` by id (:c:func:`run_embedding_segments`).
+* an embedding segment gathers columns of ``A`` by id (:c:func:`run_embedding_segments`);
+* int8 factors (``_int8.h``) are read in place, a few rows at a time, at every
+  row count (:c:func:`_run_int8`): each value is widened in a register, never
+  into a copy of the factor.
 
 ``B`` is kept in one layout only, ``B^T`` row-major (``(rank, d_out)``), so
 both products with it stream memory.  Every product goes through the
@@ -28,17 +31,27 @@ groups) check every buffer first, with ``lorahook._checks``.
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport free
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from lorahook cimport _blas
 from lorahook._checks cimport ROWS_F32, as_width
-from lorahook._halfconv cimport active_path, narrow_on, widen_on
+from lorahook._halfconv cimport LORAHOOK_HALF_PORTABLE, active_path, narrow_on, widen_on
 from lorahook._lora_gemm cimport LH_SCRATCH_PRODUCTS, LH_SCRATCH_WEIGHTS, LH_SCRATCH_WIDENED
-from lorahook._lora_gemm cimport PRE_NONE, Segment, gemm_rows, half_of, lorahook_scratch_slot
+from lorahook._lora_gemm cimport PRE_NONE, WKIND_INT8, Segment, gemm_rows, half_of
+from lorahook._lora_gemm cimport lorahook_scratch_slot
 from lorahook._lora_gemm cimport seg_down, seg_pre, seg_row, seg_scale
 from scipy.linalg.cython_blas cimport sgemm
 
 cnp.import_array()
+
+cdef extern from "_int8.h" nogil:
+    enum:
+        LH_I8_ROWS
+    int lorahook_i8_simd(int plain) noexcept
+    void lorahook_i8_down(int simd, const signed char *a8, const float *sa, int rank, int d_in,
+                          const float *const *x, int nx, const float *alpha, float *t) noexcept
+    void lorahook_i8_up(int simd, const signed char *bt8, const float *sb, int rank, int d_out,
+                        const float *t, int nx, float *const *y) noexcept
 
 cdef extern from "_blas_path.h" nogil:
     char *lorahook_blas_path
@@ -171,6 +184,55 @@ cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_
     return rc
 
 
+cdef int _run_int8(const Segment *s, const char *X, char *Y, int d_in, int d_out, int kind,
+                   int hp) noexcept nogil:
+    """One segment of int8 factors on rows of any kind, ``LH_I8_ROWS`` rows per step.
+
+    float32 rows are read and written in place; 16-bit rows are widened into
+    scratch and rounded back once.  Each step reads the factors once for its
+    rows (``_int8.h``).  Returns -1 without memory.
+    """
+    cdef Py_ssize_t n = s.n_rows, k, r
+    cdef int rank = s.rank, c, j, owned = 0, hk = half_of(kind)
+    cdef int simd = lorahook_i8_simd(hp == LORAHOOK_HALF_PORTABLE)
+    cdef const float *xs[LH_I8_ROWS]
+    cdef float *ys[LH_I8_ROWS]
+    cdef float alphas[LH_I8_ROWS]
+    cdef size_t widened = 0 if kind == ROWS_F32 else <size_t>LH_I8_ROWS * (d_in + d_out)
+    cdef float *T = lorahook_scratch_slot(<size_t>LH_I8_ROWS * rank + widened, LH_SCRATCH_PRODUCTS,
+                                          &owned)
+    if T == NULL:
+        return -1
+    cdef float *G = T + LH_I8_ROWS * rank
+    cdef float *D = G + LH_I8_ROWS * d_in
+    k = 0
+    while k < n:
+        c = <int>(LH_I8_ROWS if n - k > LH_I8_ROWS else n - k)
+        for j in range(c):
+            r = seg_row(s, k + j)
+            alphas[j] = seg_scale(s, k + j)
+            if kind == ROWS_F32:
+                xs[j] = <const float *>X + r * d_in
+                ys[j] = <float *>Y + r * d_out
+            else:
+                widen_on(hp, <const uint16_t *>X + r * d_in, G + j * d_in, d_in, hk)
+                widen_on(hp, <const uint16_t *>Y + r * d_out, D + j * d_out, d_out, hk)
+                xs[j] = G + j * d_in
+                ys[j] = D + j * d_out
+            seg_pre(s, ys[j], 0, d_out)
+        lorahook_i8_down(simd, s.a8, s.a_scale, rank, d_in, xs, c, alphas, T)
+        lorahook_i8_up(simd, s.b8, s.b_scale, rank, d_out, T, c, ys)
+        for j in range(c):
+            if s.bias != NULL:
+                _blas.axpy(d_out, alphas[j], s.bias, ys[j])
+            if kind != ROWS_F32:
+                narrow_on(hp, ys[j], <uint16_t *>Y + seg_row(s, k + j) * d_out, d_out, hk)
+        k += c
+    if owned:
+        free(T)
+    return 0
+
+
 cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, int d_out,
                           Py_ssize_t crossover, int kind, int hp) noexcept nogil:
     """Apply one segment to rows of any kind, with weights of any kind.
@@ -184,6 +246,8 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
     cdef float *W = NULL
     if s.rank == 0 or s.n_rows == 0:
         return 0
+    if s.wkind == WKIND_INT8:  # read in place at every row count
+        return _run_int8(s, X, Y, d_in, d_out, kind, hp)
     if s.wkind >= 0:
         W = lorahook_scratch_slot(<size_t>s.rank * (<size_t>d_in + d_out) + d_out,
                                   LH_SCRATCH_WEIGHTS, &owned)
@@ -221,7 +285,9 @@ cdef int _run_embedding(const Segment *s, const int64_t *ids, char *Y, int num_e
     LoRA: ``T = s * A[:, ids]`` is gathered per chunk of rows, ``D = T B^T``
     one product, and each row of ``D`` added to its output row (half rows
     widened, added in float32 and rounded once).  A saved embedding (direct)
-    replaces each row with ``E[id]``.  Returns -1 without memory.
+    replaces each row with ``E[id]``.  int8 factors: ``A``'s values are read
+    by id and ``D`` is made by ``_int8.h``'s product, ``B`` read in place.
+    Returns -1 without memory.
     """
     cdef Py_ssize_t n = s.n_rows, k, r, q
     cdef int rank = s.rank, c, j, owned = 0, owned_w = 0, hk
@@ -230,6 +296,9 @@ cdef int _run_embedding(const Segment *s, const int64_t *ids, char *Y, int num_e
     cdef float *W = NULL
     cdef float *yr
     cdef int64_t idx
+    cdef float *ys[LH_I8_ROWS]
+    cdef Py_ssize_t i
+    cdef int simd = lorahook_i8_simd(hp == LORAHOOK_HALF_PORTABLE)
     if n == 0 or rank == 0:
         return 0
     hk = half_of(kind)
@@ -264,12 +333,24 @@ cdef int _run_embedding(const Segment *s, const int64_t *ids, char *Y, int num_e
                 idx = ids[seg_row(s, k + j)]
                 alpha = seg_scale(s, k + j)
                 for q in range(rank):
-                    if s.wkind >= 0:
+                    if s.wkind == WKIND_INT8:
+                        v = s.a_scale[q] * <float>s.a8[q * num_emb + idx]
+                    elif s.wkind >= 0:
                         widen_on(hp, <const uint16_t *>s.a16 + q * num_emb + idx, &v, 1, s.wkind)
                     else:
                         v = s.a[q * num_emb + idx]
                     T[j * rank + q] = alpha * v
-            _blas.gemm(False, False, c, d_out, rank, 1.0, T, rank, bt, d_out, 0.0, D, d_out)
+            if s.wkind == WKIND_INT8:  # D = T B^T, B read in place a few rows at a time
+                memset(D, 0, c * d_out * sizeof(float))
+                j = 0
+                while j < c:
+                    q = c - j if c - j < LH_I8_ROWS else LH_I8_ROWS
+                    for i in range(q):
+                        ys[i] = D + (j + i) * d_out
+                    lorahook_i8_up(simd, s.b8, s.b_scale, rank, d_out, T + j * rank, <int>q, ys)
+                    j += <int>q
+            else:
+                _blas.gemm(False, False, c, d_out, rank, 1.0, T, rank, bt, d_out, 0.0, D, d_out)
         for j in range(c):
             r = seg_row(s, k + j)
             if kind == ROWS_F32:

@@ -328,14 +328,23 @@ class LoraAdapter(KernelTable, LoraHook):
         return dtypes.pop() if dtypes else np.dtype(np.float32)
 
     def astype(self, dtype):
-        """The same adapter with ``a`` and ``b`` kept in ``dtype``: float32, float16 or bfloat16.
+        """The same adapter with ``a`` and ``b`` kept in ``dtype``: float32, float16, bfloat16 or int8.
 
-        Each value is rounded once, to nearest even (biases too); :attr:`nbytes`
-        halves for a 16-bit dtype.  ``bfloat16`` is ``ml_dtypes.bfloat16`` (import ml_dtypes; lorahook
-        never imports it).  Calls compute in float32 from the rounded values,
-        widened per call; :meth:`delta_weight`, :func:`blend` and
-        :meth:`merge_into` work in float32; :meth:`save_peft` writes ``dtype``.
-        ``self`` when every layer is already in ``dtype``.
+        16-bit: each value is rounded once, to nearest even (biases too);
+        :attr:`nbytes` halves.  ``bfloat16`` is ``ml_dtypes.bfloat16`` (import
+        ml_dtypes; lorahook never imports it).  Calls compute in float32 from
+        the rounded values, widened per call.
+
+        int8: each layer keeps ``a`` with a float32 scale per row and ``b``
+        with one per output (symmetric, round to nearest:
+        :meth:`LoraLayer.astype`); biases stay float32; :attr:`nbytes` is about
+        a quarter of float32's.  Calls read the int8 values in place and
+        accumulate in float32.
+
+        :meth:`delta_weight`, :func:`blend` and :meth:`merge_into` work in
+        float32; :meth:`save_peft` writes ``dtype`` (an int8 adapter writes its
+        dequantized float32 values, which PEFT loads).  ``self`` when every
+        layer is already in ``dtype``.
         """
         dt = weight_dtype(dtype)
         layers = {k: layer.astype(dt) for k, layer in self._layers.items()}
@@ -453,7 +462,7 @@ class LoraAdapter(KernelTable, LoraHook):
         ----------
         path : str or os.PathLike
             The directory ``save_pretrained`` wrote.
-        dtype : {None, "float32", "float16", "bfloat16"}, optional
+        dtype : {None, "float32", "float16", "bfloat16", "int8"}, optional
             The arrays' dtype (``None``: float32), as :meth:`astype`.
 
         Returns

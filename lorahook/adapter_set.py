@@ -97,11 +97,11 @@ class AdapterSet:
         How a name that is not resident is loaded on first use.
     base_weights : mapping or callable, optional
         The base weights DoRA layers need, as :meth:`set_base_weights` takes.
-    dtype : {None, "float32", "float16", "bfloat16"}, optional
+    dtype : {None, "float32", "float16", "bfloat16", "int8"}, optional
         The dtype adapters are held in: each one added or loaded is converted
         (:meth:`~lorahook.LoraAdapter.astype`, which keeps one already in it),
-        and capacity counts its bytes in it.  ``None``: as given (float32 from
-        a directory).
+        and capacity counts its bytes in it (int8: a quarter, plus a scale per
+        rank and output).  ``None``: as given (float32 from a directory).
 
     Examples
     --------

@@ -1,10 +1,10 @@
 """Adapters blended exactly into one: ``delta = sum(weight_i * delta_i)`` for every key."""
 import numpy as np
 
-from ._arrays import as_float32, finite_scale
+from ._arrays import finite_scale
 from ._values import key_order
 from .adapter import LoraAdapter
-from .layer import LoraLayer
+from .layer import LoraLayer, float_factors
 from .merge import refuse_variants
 
 __all__ = ["blend"]
@@ -41,9 +41,10 @@ def blend(weighted):
         if len(shapes) > 1:
             detail = ", ".join(f"item {i}: (d_in, d_out) = {(l.d_in, l.d_out)}" for i, l, _ in entries)
             raise ValueError(f"cannot blend key {key!r}: shapes differ ({detail})")
-        a = np.concatenate([as_float32(l.a) for _, l, _ in entries], axis=0)
-        b = np.concatenate([as_float32(l.b).astype(np.float64) * (w * l.scale)
-                            for _, l, w in entries], axis=1)
+        factors = [float_factors(l) for _, l, _ in entries]  # float32 values of any dtype
+        a = np.concatenate([f[0] for f in factors], axis=0)
+        b = np.concatenate([f[1].T.astype(np.float64) * (w * l.scale)
+                            for f, (_, l, w) in zip(factors, entries)], axis=1)
         biases = [(l.bias, w * l.scale) for _, l, w in entries if l.bias is not None]
         bias = None
         if biases and a.shape[0] > 0:

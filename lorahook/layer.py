@@ -1,16 +1,17 @@
 """One adapter layer: :class:`LoraLayer`, ``scale * B @ (A @ x)`` (+ bias) for one projection.
 
 A layer is immutable data validated once at construction: its factors are
-kept read-only, ``B`` transposed, in float32 or a 16-bit dtype, with the
+kept read-only, ``B`` transposed, in float32, a 16-bit dtype or int8 with
+scales, with the
 variants PEFT writes (embedding LoRA, DoRA with its base terms).  The
 compiled kernel a layer runs is built here, once.
 """
 import numpy as np
 
 from ._kernels import EMBEDDING, LORA, LayerKernel
-from ._arrays import (FLOAT32, WEIGHT_DTYPES, adoptable, as_float32, check_bias_shape,
-                      check_factor_shapes, dora_terms, finite_scale, owned_float32,
-                      rounded, weight_dtype)
+from ._arrays import (FLOAT32, INT8, WEIGHT_DTYPES, adoptable, as_float32, check_bias_shape,
+                      check_factor_shapes, check_int8_scales, dequantized, dora_terms,
+                      finite_scale, owned_float32, quantized, rounded, weight_dtype)
 
 __all__ = ["LoraLayer"]
 
@@ -78,7 +79,8 @@ class LoraLayer:
     ValueError: ranks disagree: a has shape (2, 3) (rank 2), b has shape (4, 5) (rank 5)
     """
 
-    __slots__ = ("_a", "_bt", "_scale", "_bias", "_kernel", "_embedding", "_magnitude", "_dora")
+    __slots__ = ("_a", "_bt", "_scale", "_bias", "_kernel", "_embedding", "_magnitude", "_dora",
+                 "_qs")
 
     def __init__(self, a, b, scale=1.0, bias=None, *, magnitude=None, embedding=False):
         a = owned_float32(a, "a", 2)
@@ -94,8 +96,9 @@ class LoraLayer:
         check_variant(a, b, bias, embedding, magnitude)
         self._init(a, b, scale, bias, embedding, magnitude, None)
 
-    def _init(self, a, bt, scale, bias, embedding=False, magnitude=None, dora=None):
+    def _init(self, a, bt, scale, bias, embedding=False, magnitude=None, dora=None, qs=None):
         object.__setattr__(self, "_a", a)
+        object.__setattr__(self, "_qs", qs)
         object.__setattr__(self, "_bt", bt)
         object.__setattr__(self, "_scale", scale)
         object.__setattr__(self, "_bias", bias)
@@ -109,6 +112,9 @@ class LoraLayer:
         elif a.dtype == np.float32:
             kernel = LayerKernel(a, bt, scale, bias, kind=kind,
                                           needs_base=magnitude is not None)
+        elif a.dtype == INT8:  # read in place, with a float32 scale per row of A and per output
+            kernel = LayerKernel(a, bt, scale, bias, weights="int8", scales=qs, kind=kind,
+                                 needs_base=magnitude is not None)
         else:  # 16-bit weights: the core takes their bit patterns
             kernel = LayerKernel(a.view(np.uint16), bt.view(np.uint16), scale,
                                        None if bias is None else bias.view(np.uint16),
@@ -117,14 +123,16 @@ class LoraLayer:
         object.__setattr__(self, "_kernel", kernel)
 
     @classmethod
-    def _adopt(cls, a, bt, scale, bias=None, embedding=False, magnitude=None, dora=None):
+    def _adopt(cls, a, bt, scale, bias=None, embedding=False, magnitude=None, dora=None,
+               qs=None):
         """A layer that keeps ``a``, ``bt`` (``B^T``, ``(rank, d_out)``) and ``bias`` as they are.
 
         For arrays already checked finite that this layer may keep: a file reader's
-        fresh float32 arrays, or unpickled ones (float32 or 16-bit weights, all of one
-        dtype; a magnitude and DoRA's base terms in float32).  They must be native,
-        C-contiguous and read-only.  Shapes, ranks, the scale and the variant are checked
-        as :class:`LoraLayer` checks them; nothing is copied.
+        fresh float32 arrays, or unpickled ones (float32, 16-bit or int8 weights, all
+        of one dtype; int8 ones with their scales ``qs``, checked finite and >= 0;
+        a magnitude, an int8 layer's bias and DoRA's base terms in float32).  They
+        must be native, C-contiguous and read-only.  Shapes, ranks, the scale and the
+        variant are checked as :class:`LoraLayer` checks them; nothing is copied.
         """
         dtype = a.dtype if isinstance(a, np.ndarray) and a.dtype.name in WEIGHT_DTYPES \
             and a.dtype.isnative else FLOAT32
@@ -132,22 +140,26 @@ class LoraLayer:
         adoptable(bt, "b^T", 2, dtype)
         scale = finite_scale(scale, "scale")
         check_factor_shapes(a, bt)
+        if (dtype == INT8) != (qs is not None):
+            raise ValueError("int8 factors, and only they, come with scales")
+        if qs is not None:
+            check_int8_scales(a, bt, qs)
         if bias is not None:
-            adoptable(bias, "bias", 1, dtype)
+            adoptable(bias, "bias", 1, FLOAT32 if dtype == INT8 else dtype)
             check_bias_shape(a, bt, bias)
         if magnitude is not None:
             adoptable(magnitude, "magnitude", 1)
         for name, arr, nd in zip(("g", "(1 - g) b", "g B^T", "a"), dora or (), (1, 1, 2, 2)):
             adoptable(arr, name, nd)
         check_variant(a, bt, bias, bool(embedding), magnitude, dora)
-        return cls._trusted(a, bt, scale, bias, bool(embedding), magnitude, dora)
+        return cls._trusted(a, bt, scale, bias, bool(embedding), magnitude, dora, qs)
 
     @classmethod
-    def _trusted(cls, a, bt, scale, bias, embedding=False, magnitude=None, dora=None):
+    def _trusted(cls, a, bt, scale, bias, embedding=False, magnitude=None, dora=None, qs=None):
         # For arrays checked as a layer checks them (those of a layer, or what a file reader
         # returned: lorahook.files.LayerData): no copy, and no check but the kernel's.
         self = cls.__new__(cls)
-        self._init(a, bt, float(scale), bias, embedding, magnitude, dora)
+        self._init(a, bt, float(scale), bias, embedding, magnitude, dora, qs)
         return self
 
     def __setattr__(self, name, value):
@@ -157,11 +169,12 @@ class LoraLayer:
         variant = None
         if self._embedding or self._magnitude is not None:
             variant = (self._embedding, self._magnitude, self._dora)
-        return (_layer_from_pickle, (self._a, self._bt, self._scale, self._bias, variant))
+        args = (self._a, self._bt, self._scale, self._bias, variant)
+        return (_layer_from_pickle, args if self._qs is None else args + (self._qs,))
 
-    def _like(self, a, bt, scale, bias, dora):
+    def _like(self, a, bt, scale, bias, dora, qs=None):
         """A layer of this one's variant (embedding, magnitude) with other arrays."""
-        return LoraLayer._trusted(a, bt, scale, bias, self._embedding, self._magnitude, dora)
+        return LoraLayer._trusted(a, bt, scale, bias, self._embedding, self._magnitude, dora, qs)
 
     # --- variants ------------------------------------------------------------
 
@@ -185,12 +198,22 @@ class LoraLayer:
         """
         if self._magnitude is None:
             raise ValueError("with_base applies to DoRA layers (with a magnitude vector) only")
-        dora = dora_terms(self._a, self._bt, self._scale, self._magnitude, weight, bias, "")
-        return self._like(self._a, self._bt, self._scale, self._bias, dora)
+        a32, bt32, _ = float_factors(self)
+        dora = dora_terms(a32, bt32, self._scale, self._magnitude, weight, bias, "")
+        return self._like(self._a, self._bt, self._scale, self._bias, dora, self._qs)
 
-    a = property(lambda self: self._a, doc="``(rank, d_in)`` float32, read-only.")
+    a = property(lambda self: self._a,
+                 doc="``(rank, d_in)`` in :attr:`dtype` (float32 unless converted), read-only; "
+                     "int8 values go with :attr:`a_scale`.")
     b = property(lambda self: self._bt.T,
-                 doc="``(d_out, rank)`` float32, a read-only view of the kept ``B^T``.")
+                 doc="``(d_out, rank)`` in :attr:`dtype`, a read-only view of the kept ``B^T``; "
+                     "int8 values go with :attr:`b_scale`.")
+    a_scale = property(lambda self: None if self._qs is None else self._qs[0],
+                       doc="An int8 layer's ``(rank,)`` float32 scales, one per row of ``a`` "
+                           "(``A = a_scale[:, None] * a``), else ``None``.")
+    b_scale = property(lambda self: None if self._qs is None else self._qs[1],
+                       doc="An int8 layer's ``(d_out,)`` float32 scales, one per output "
+                           "(``B = b_scale[:, None] * b``), else ``None``.")
     scale = property(lambda self: self._scale, doc="The layer's scale (float).")
     bias = property(lambda self: self._bias, doc="``(d_out,)`` float32 or ``None``.")
     rank = property(lambda self: self._a.shape[0])
@@ -202,7 +225,7 @@ class LoraLayer:
         return self._a.size + self._bt.size + (0 if self._bias is None else self._bias.size)
 
     def _arrays(self):
-        arrays = [self._a, self._bt]
+        arrays = [self._a, self._bt, *(self._qs or ())]
         for extra in (self._bias, self._magnitude):
             if extra is not None:
                 arrays.append(extra)
@@ -212,7 +235,7 @@ class LoraLayer:
 
     @property
     def nbytes(self):
-        """Bytes of the arrays the layer keeps (``a``, ``B^T``, ``bias``)."""
+        """Bytes of the arrays the layer keeps (``a``, ``B^T``, ``bias``, int8 scales, DoRA's terms)."""
         return sum(arr.nbytes for arr in self._arrays())
 
     def with_scale(self, scale):
@@ -226,44 +249,58 @@ class LoraLayer:
         if self._dora is not None and scale != self._scale:
             raise ValueError("a DoRA layer's base terms depend on its scale: scale the layer "
                              "before with_base, not after")
-        return self._like(self._a, self._bt, scale, self._bias, self._dora)
+        return self._like(self._a, self._bt, scale, self._bias, self._dora, self._qs)
 
     @property
     def dtype(self):
-        """The dtype ``a`` and ``b`` are kept in: float32, float16 or bfloat16."""
+        """The dtype ``a`` and ``b`` are kept in: float32, float16, bfloat16 or int8."""
         return self._a.dtype
 
     def astype(self, dtype):
-        """This layer with ``a`` and ``b`` kept in ``dtype`` (float32, float16 or bfloat16).
+        """This layer with ``a`` and ``b`` kept in ``dtype`` (float32, float16, bfloat16 or int8).
 
-        Values are rounded once, to nearest even (the bias, if any, too).
-        ``self`` when already in ``dtype``.  The kernels widen 16-bit arrays to
-        float32 on each call.
+        16-bit values are rounded once, to nearest even (the bias, if any,
+        too).  int8 keeps ``a`` with a float32 scale per row and ``b`` with one
+        per output (symmetric, to nearest; :attr:`a_scale`, :attr:`b_scale`),
+        quantized from the layer's float32 values, and its bias in float32.  An
+        int8 layer converted to another dtype starts from its dequantized
+        values (``scale * q`` rounded once to float32).  ``self`` when already
+        in ``dtype``.  The kernels widen 16-bit arrays to float32 on each call,
+        and read int8 ones in place.
         """
         dt = weight_dtype(dtype)
         if dt == self._a.dtype:
             return self
-        arrays = [None if arr is None else as_float32(arr)
-                  for arr in (self._a, self._bt, self._bias)]
-        if dt == np.float32:  # widened from 16 bits: new arrays of this layer's own
+        arrays = list(float_factors(self))
+        qs = None
+        if dt == np.float32:  # new arrays of this layer's own (widened or dequantized)
             for arr in arrays:
-                if arr is not None:
+                if arr is not None and arr.flags.writeable:
                     arr.flags.writeable = False
+        elif dt == INT8:
+            (qa, sa), (qbt, sb) = quantized(arrays[0], 1), quantized(arrays[1], 0)
+            bias = arrays[2]
+            if bias is not None and bias.flags.writeable:
+                bias.flags.writeable = False
+            arrays, qs = [qa, qbt, bias], (sa, sb)
         else:
             arrays = [None if arr is None else rounded(arr, dt) for arr in arrays]
         dora = self._dora
-        if dora is not None:  # the base terms stay; the kernel's factors are the rounded ones
+        if dora is not None:  # the base terms stay; the kernel's factors are the converted ones
             g, c = dora[0], dora[1]
-            gbt = np.ascontiguousarray(as_float32(arrays[1]) * g[None, :], dtype=np.float32)
-            a32 = as_float32(arrays[0])
-            for arr in (gbt, a32):
-                arr.flags.writeable = False
+            layer = self._like(arrays[0], arrays[1], self._scale, arrays[2], None, qs)
+            a32, bt32, _ = float_factors(layer)
+            gbt = np.ascontiguousarray(bt32 * g[None, :], dtype=np.float32)
+            for arr in (gbt, a32):  # a32 is arrays[0] itself for float32
+                if arr.flags.writeable:
+                    arr.flags.writeable = False
             dora = (g, c, gbt, a32)
-        return self._like(arrays[0], arrays[1], self._scale, arrays[2], dora)
+        return self._like(arrays[0], arrays[1], self._scale, arrays[2], dora, qs)
 
     def delta_weight(self):
         """``scale * B @ A`` as a float32 ``(d_out, d_in)`` array (computed in float32)."""
-        out = as_float32(self._bt).T @ as_float32(self._a)
+        a32, bt32, _ = float_factors(self)
+        out = bt32.T @ a32
         out *= np.float32(self._scale)
         return out
 
@@ -286,8 +323,21 @@ def kernel_of(layer):
 
 
 def arrays_of(layer):
-    """Every array the layer keeps: its factors, its bias, DoRA's terms."""
+    """Every array the layer keeps: its factors, its bias, int8 scales, DoRA's terms."""
     return layer._arrays()
+
+
+def float_factors(layer):
+    """``(a, b^T, bias)`` of ``layer`` as float32 values (``bias`` may be ``None``).
+
+    The kept arrays themselves for a float32 layer; 16-bit ones widened
+    (exact); int8 ones dequantized (``scale * q`` rounded once to float32).
+    """
+    if layer._qs is not None:
+        return (dequantized(layer._a, layer._qs[0], 1), dequantized(layer._bt, layer._qs[1], 0),
+                layer._bias)
+    return tuple(None if arr is None else as_float32(arr)
+                 for arr in (layer._a, layer._bt, layer._bias))
 
 
 def checked_layer(a, bt, scale, bias, embedding=False, magnitude=None):
@@ -318,10 +368,10 @@ def check_variant(a, bt, bias, embedding, magnitude, dora=None):
         raise ValueError("DoRA's base terms do not match the layer's factors")
 
 
-def _layer_from_pickle(a, bt, scale, bias, variant=None):
+def _layer_from_pickle(a, bt, scale, bias, variant=None, qs=None):
     """An unpickled layer: its arrays kept as they arrive (protocol-5 buffers too), read-only."""
     variant = variant or (False, None, None)
-    for arr in (a, bt, bias, variant[1]) + tuple(variant[2] or ()):
+    for arr in (a, bt, bias, variant[1]) + tuple(variant[2] or ()) + tuple(qs or ()):
         if isinstance(arr, np.ndarray) and arr.flags.writeable:
             arr.flags.writeable = False
-    return LoraLayer._adopt(a, bt, scale, bias, *variant)
+    return LoraLayer._adopt(a, bt, scale, bias, *variant, qs=qs)

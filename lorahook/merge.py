@@ -9,8 +9,8 @@ the adapter store.
 """
 import numpy as np
 
-from ._arrays import as_float32
 from ._values import key_order
+from .layer import float_factors
 from .saved_module import SavedModule
 
 __all__ = ["merge_layers", "refuse_variants"]
@@ -41,11 +41,12 @@ def merge_layers(layers, weights, biases, sign):
     # layers, the scaled biases.  Targets are updated as plain ndarrays (a
     # subclass's __array_ufunc__ cannot stop a merge halfway).
     scratch = np.empty(max(t[2].size for t in targets), dtype=np.float32)
-    work = [(w.view(np.ndarray), as_float32(layer.b), as_float32(layer.a),
-             np.float32(layer.scale),
-             None if bv is None else (bv.view(np.ndarray),
-                                      as_float32(layer.bias) * np.float32(layer.scale)))
-            for _, layer, w, bv in targets]
+    work = []
+    for _, layer, w, bv in targets:
+        a, bt, bias = float_factors(layer)  # float32 values of 16-bit and int8 factors
+        scale = np.float32(layer.scale)
+        work.append((w.view(np.ndarray), bt.T, a, scale,
+                     None if bv is None else (bv.view(np.ndarray), bias * scale)))
     update = np.add if sign > 0 else np.subtract
     for w, b, a, scale, bias in work:
         delta = scratch[:w.size].reshape(w.shape)

@@ -517,7 +517,7 @@ def shared_resolver(resolver, *, name="lorahook-adapters", dtype=None, capacity_
         path | None``, as :class:`~lorahook.AdapterSet` takes.
     name : str, default "lorahook-adapters"
         The actor's name in Ray namespace ``lorahook``.
-    dtype : {None, "float32", "float16", "bfloat16"}, optional
+    dtype : {None, "float32", "float16", "bfloat16", "int8"}, optional
         The dtype the actor holds adapters in (each one it loads is converted,
         :meth:`~lorahook.LoraAdapter.astype`): what the object store holds and
         the replicas map.  ``None``: as read (float32).  Give the

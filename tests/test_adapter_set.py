@@ -615,8 +615,8 @@ def test_a_set_with_a_dtype_holds_added_and_loaded_adapters_in_it(store, dtype):
     assert s.get("same").layers[KEY].a is held.layers[KEY].a
 
 
-def test_a_set_dtype_is_float32_float16_or_bfloat16():
-    for bad in ("float64", "int8", np.int16, "f32"):
+def test_a_set_dtype_is_float32_float16_bfloat16_or_int8():
+    for bad in ("float64", "uint8", np.int16, "f32"):
         with pytest.raises(TypeError, match="dtype"):
             AdapterSet(dtype=bad)
     s = AdapterSet(dtype=np.float32)

@@ -90,6 +90,13 @@ def test_a_kernel_refuses_factors_that_do_not_fit():
     with pytest.raises(ValueError, match="bt must have shape"):
         LayerKernel(a, bt[:3], 1.0)
     with pytest.raises(ValueError, match="weights must be"):
-        LayerKernel(a, bt, 1.0, weights="int8")
+        LayerKernel(a, bt, 1.0, weights="int4")
+    with pytest.raises(ValueError, match="int8 weights take scales"):
+        LayerKernel(a.astype(np.int8), bt.astype(np.int8), 1.0, weights="int8")
+    with pytest.raises(ValueError, match="float32 weights take no scales"):
+        LayerKernel(a, bt, 1.0, scales=(np.ones(a.shape[0], np.float32),) * 2)
+    with pytest.raises(ValueError, match="int8 scales must have shapes"):
+        LayerKernel(a.astype(np.int8), bt.astype(np.int8), 1.0, weights="int8",
+                    scales=(np.ones(a.shape[0], np.float32), np.ones(3, np.float32)))
     with pytest.raises(ValueError, match="does not match the call"):
         GroupPlan([(LayerKernel(a, bt, 1.0), 1.0, None, None)], 4, 12, 11)

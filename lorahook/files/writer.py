@@ -109,6 +109,8 @@ def write_peft(adapter, path: os.PathLike, architecture: Optional[str] = None,
     tensors: Dict[str, np.ndarray] = {}
     for mpath, layer in items:
         prefix = PEFT_PREFIX + mpath
+        if layer.dtype == np.int8:  # PEFT has no int8 adapter: the dequantized float32 values
+            layer = layer.astype(np.float32)
         # the layer's own dtype: float32, float16 or (ml_dtypes) bfloat16
         dtype = layer.a.dtype
         if getattr(layer, "is_embedding", False):

@@ -30,7 +30,7 @@ bodies, nesting, the queue (``--max-queued-requests``) and each request's
 time (``--request-timeout``) are bounded; an adapter is admitted into a batch
 only when it fits beside the running rows' adapters (``--capacity-bytes``,
 by default a quarter of the machine's memory divided among the replicas;
-``--adapter-dtype`` holds them in 16 bits), and the head node's shared loader
+``--adapter-dtype`` holds them in 16 or 8 bits), and the head node's shared loader
 keeps at most ``--resolver-capacity-bytes``: thousands of adapters on disk
 never grow a server without bound.
 Operated as a server: with ``--address local`` (the default) everything of

@@ -22,7 +22,7 @@ __all__ = ["DTYPES", "ADAPTER_DTYPES", "Settings", "add_arguments", "api_key", "
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: What ``--adapter-dtype`` takes: the dtype replicas hold adapters in.
-ADAPTER_DTYPES = ("float32", "bfloat16", "float16")
+ADAPTER_DTYPES = ("float32", "bfloat16", "float16", "int8")
 #: Ray Serve's multiplexing cap, adapters each replica reports (``--max-models-per-replica``).
 MAX_MODELS_PER_REPLICA = 64
 
@@ -46,7 +46,8 @@ def add_arguments(parser):
                              "quarter of this machine's memory, divided among the replicas)")
     parser.add_argument("--adapter-dtype", choices=ADAPTER_DTYPES, default="float32",
                         help="the dtype adapters are held in: bfloat16 and float16 hold twice "
-                             "as many in the same capacity (float32)")
+                             "as many in the same capacity, int8 (a scale per row of A and per "
+                             "output of B) about four times (float32)")
     parser.add_argument("--max-models-per-replica", type=int, default=MAX_MODELS_PER_REPLICA,
                         help="adapters each replica reports to Ray Serve's router, which sends "
                              "an adapter's requests to the replicas reporting it; past it, the "
