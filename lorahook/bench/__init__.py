@@ -57,7 +57,7 @@ import sys
 
 import numpy as np
 
-from .rows import (Timer, bind_cost, half, import_torch, mixed, seeded_rng, server_loop,
+from .rows import (Timer, adapter_dtypes, bind_cost, half, import_torch, mixed, seeded_rng, server_loop,
                    sgemm_peak, single, compare_thread_settings, two_threads)
 
 __all__ = ["run", "main", "format_report"]
@@ -104,6 +104,9 @@ def _run(progress, quick, thread_study):
         ("mixed 128 rows, 8 adapters x 16 rows, 1024->3584 r16", None),
         ("half decode 1 row 1024->1024 r16", (1, 1024, 1024, 16)),
         ("half prefill 256 rows 1024->3584 r16", (256, 1024, 3584, 16)),
+        ("adapters decode 8 rows, 8 adapters x 1 row, 1024->3584 r16", (8, 1, 1024, 3584, 16)),
+        ("adapters decode 64 rows, 64 adapters x 1 row, 896->4864 r16", (64, 1, 896, 4864, 16)),
+        ("adapters prefill 128 rows, 8 adapters x 16 rows, 1024->3584 r16", (8, 16, 1024, 3584, 16)),
         ("bind 256 rows x 8 adapters + one pass (Qwen3.5-0.8B)", None),
         ("generate 4 sequences, 3 adapters + base", None),
     ]
@@ -135,6 +138,9 @@ def _run(progress, quick, thread_study):
             res["threads"] = two_threads(timer, rng)
         elif label.startswith("mixed"):
             res["mixed"] = dict(mixed(timer, rng, torch, rounds=rounds), label=label)
+        elif label.startswith("adapters"):
+            res.setdefault("adapter_dtypes", {})[label[9:]] = adapter_dtypes(
+                timer, rng, *params, rounds=rounds)
         elif label.startswith("half"):
             res.setdefault("half", {})[label[5:]] = half(timer, rng, *params, rounds=rounds)
         elif label.startswith("bind"):
@@ -249,6 +255,21 @@ def format_report(res):
                          f"{_ms(r['float16 adapter']):>12}")
             targets.append((f"{label}: bfloat16 / float32", r["bfloat16"] / f32, 1.5))
             targets.append((f"{label}: float16 / float32", r["float16"] / f32, 1.5))
+    held = res.get("adapter_dtypes")
+    if held:
+        lines.append("")
+        lines.append(f"{'adapters held in (ms per call)':60} {'float32':>9} {'bfloat16':>9} "
+                     f"{'int8':>9} {'int8/f32':>9} {'bytes int8/f32':>15}")
+        for label, r in held.items():
+            if "skip" in r:
+                lines.append(f"{label}: skipped ({r['skip']})")
+                continue
+            bf = _ms(r["bfloat16"]) if "bfloat16" in r else "-"
+            lines.append(f"{label:60} {_ms(r['float32']):>9} {bf:>9} {_ms(r['int8']):>9} "
+                         f"{r['int8'] / r['float32']:9.2f} "
+                         f"{r['nbytes']['int8'] / r['nbytes']['float32']:15.2f}")
+            if label.startswith("decode"):
+                targets.append((f"{label}: int8 / float32 adapters", r["int8"] / r["float32"], 1.0))
     bc = res.get("bind")
     if bc is not None:
         ratio = bc["fresh"] / bc["warm"]

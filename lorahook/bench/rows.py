@@ -309,6 +309,38 @@ def mixed(timer, rng, torch, n_adapters=8, per=16, d_in=1024, d_out=3584, rank=1
     return out
 
 
+def adapter_dtypes(timer, rng, n_adapters, per, d_in, d_out, rank, rounds=1):
+    """One mixed batch (``per`` rows for each of ``n_adapters``) with the adapters held in
+    float32, bfloat16 (with ml_dtypes) and int8, float32 rows; medians in rounds."""
+    try:
+        from ..adapter_set import AdapterSet
+        from .. import LoraAdapter, apply_lora_rows
+        LoraAdapter({}).astype("int8")
+    except (ImportError, TypeError):
+        return {"skip": "this lorahook holds no int8 adapters"}
+    dtypes = ["float32", "int8"]
+    try:
+        import ml_dtypes  # noqa: F401  (names bfloat16 for lorahook)
+        dtypes.insert(1, "bfloat16")
+    except ImportError:
+        pass
+    names = [f"a{i}" for i in range(n_adapters)]
+    adapters = [LoraAdapter({(0, "up_proj"): _layer(rng, d_in, d_out, rank)}) for _ in names]
+    rows = [names[i // per] for i in range(n_adapters * per)]
+    X = rng.standard_normal((len(rows), d_in)).astype(np.float32)
+    Y = np.zeros((len(rows), d_out), np.float32)
+    contenders = {}
+    for dt in dtypes:
+        aset = AdapterSet(dtype=dt)
+        for name, adapter in zip(names, adapters):
+            aset.add(name, adapter)
+        bound = aset.bind(rows)
+        contenders[dt] = (lambda b: lambda: apply_lora_rows(b, 0, "up_proj", X, Y, d_in, d_out))(bound)
+    out = _rounds(timer, contenders, rounds)
+    out["nbytes"] = {dt: sum(a.astype(dt).nbytes for a in adapters) for dt in dtypes}
+    return out
+
+
 def compare_thread_settings(timer, rng):
     """The same cases with SciPy's BLAS on one thread and on every core."""
     from .. import threads
