@@ -3,8 +3,9 @@
 A small random Mistral with a 4-token sliding window: its cache has sliding-window
 layers, so requests cannot join a running batch; the server says so in its stats and
 still answers every request as transformers + PEFT do.  The server holds its adapter
-in bfloat16 (``--adapter-dtype bfloat16``): PEFT's reference runs the adapter's
-weights rounded to bfloat16 (by torch), in float32 as lorahook computes.
+in int8 (``--adapter-dtype int8``): PEFT's reference runs the adapter lorahook's
+``save_peft`` writes from the int8 one (its dequantized float32 values), in
+float32 as lorahook computes.
 """
 import concurrent.futures
 import os
@@ -50,11 +51,10 @@ def _save(tmp):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm.save_pretrained(os.path.join(adapters, "windowed"))
-        with torch.no_grad():  # the reference: the same weights rounded to bfloat16
-            for name, p in pm.named_parameters():
-                if "lora_" in name:
-                    p.copy_(p.to(torch.bfloat16).to(torch.float32))
-        pm.save_pretrained(os.path.join(tmp, "rounded", "windowed"))
+    # the reference: the int8 adapter's values, as PEFT files
+    from lorahook import LoraAdapter
+    LoraAdapter.from_peft(os.path.join(adapters, "windowed"), dtype="int8").save_peft(
+        os.path.join(tmp, "rounded", "windowed"))
     return model_dir, adapters
 
 
@@ -65,7 +65,7 @@ def test_a_sliding_window_model_is_served_in_whole_batches(tmp_path):
     try:
         lines = []
         proc, url = start_server(model_dir, adapters, "--max-batch-size", "4",
-                                 "--adapter-dtype", "bfloat16", cwd=str(tmp_path), lines=lines)
+                                 "--adapter-dtype", "int8", cwd=str(tmp_path), lines=lines)
     except RuntimeError as exc:
         pytest.fail(str(exc))
     try:
@@ -92,11 +92,12 @@ def test_a_sliding_window_model_is_served_in_whole_batches(tmp_path):
         assert "".join(c.choices[0].text for c in chunks) == got[3]
         stats = httpx.get(url + "/lorahook/stats", timeout=30).json()
         assert stats["joining"] is False
-        # the adapter is held in bfloat16: half its float32 bytes
+        # the adapter is held in int8: a quarter of its float32 bytes, and the scales
         from lorahook import LoraAdapter
-        f32 = LoraAdapter.from_peft(os.path.join(adapters, "windowed")).nbytes
-        assert stats["adapters"]["nbytes"] == f32 // 2
-        assert any("adapters held in bfloat16" in line for line in lines)
+        f32 = LoraAdapter.from_peft(os.path.join(adapters, "windowed"))
+        scales = sum(4 * (layer.rank + layer.d_out) for layer in f32.layers.values())
+        assert stats["adapters"]["nbytes"] == f32.nbytes // 4 + scales
+        assert any("adapters held in int8" in line for line in lines)
         assert sum(n for n, _ in stats["batches"]) == len(asks) + 1  # every request admitted
     finally:
         assert stop_server(proc) == 0
