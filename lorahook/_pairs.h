@@ -15,6 +15,11 @@
  * rounded once, when it is stored (to nearest even, NaNs quiet -- the rules of
  * _halfconv.h).  No pass converts a whole activation or weight.
  *
+ * Or A and Bt are int8 (lh_pairs.w8), whatever the rows' kind, with a float32
+ * scale per row of A (SA) and per column of Bt (SB), slot by slot:
+ * t = scale * SA[s][j] * (A8[s][j] . x), y (+)= SB[s] * (Bt8[s].T @ t).  int8
+ * values are widened in registers as they are loaded, like 16-bit ones.
+ *
  * Work is split in two phases over the team: the first (t for every covered
  * row) by rows, the second (the outputs) by blocks of 16 columns, so that a
  * weight byte is read once per call and every output element is written by
@@ -46,6 +51,7 @@
 #define LH_P_F32 0
 #define LH_P_F16 1
 #define LH_P_BF16 2
+#define LH_P_I8 3          /* int8 weights (with their scales), never rows */
 
 #define LH_P_MAX_SLICES 8
 #define LH_P_COLS 16       /* the column block of the second phase */
@@ -55,6 +61,8 @@
 typedef struct {
     const char *const *A;   /* per slot: its (ranks[s], d_in) rows, row-major (NULL: rank 0) */
     const char *const *Bt;  /* per slot: B transposed, (ranks[s], d_out), row-major */
+    const float *const *SA; /* int8 weights: per slot, a scale per row of A (ranks[s]) */
+    const float *const *SB; /* and one per column of Bt (d_out) */
     const int32_t *ranks;   /* (slots,), each in [0, rmax] */
     int rmax;
     int d_out;
@@ -74,6 +82,7 @@ typedef struct {
     ptrdiff_t ldy;
     int d_in;
     int kind;
+    int w8;                      /* A and Bt are int8 with their scales */
     int add;
     float scale;
     int n_slices;

@@ -20,11 +20,16 @@
 typedef float VF __attribute__((vector_size(LH_P_W * 4)));
 typedef uint32_t VU __attribute__((vector_size(LH_P_W * 4)));
 typedef uint16_t VH __attribute__((vector_size(LH_P_W * 2)));
+typedef int8_t LH_P_NAME(lh_vb) __attribute__((vector_size(LH_P_W)));
 
 /* LH_P_W values of `kind` at p, as float32 */
 LH_P_INLINE void LH_P_NAME(lh_load)(const char *p, const int kind, VF *out) {
     if (kind == LH_P_F32) {
         memcpy(out, p, sizeof(VF));
+    } else if (kind == LH_P_I8) {
+        LH_P_NAME(lh_vb) q;
+        memcpy(&q, p, sizeof q);
+        *out = __builtin_convertvector(q, VF);
     } else if (kind == LH_P_BF16) {
         VH h;
         VU u;
@@ -94,6 +99,8 @@ LH_P_INLINE void LH_P_NAME(lh_store)(char *p, const int kind, const VF *v) {
 LH_P_INLINE float LH_P_NAME(lh_load1)(const char *p, ptrdiff_t i, const int kind) {
     if (kind == LH_P_F32)
         return ((const float *)p)[i];
+    if (kind == LH_P_I8)
+        return (float)((const int8_t *)p)[i];
     if (kind == LH_P_BF16)
         return lorahook_f32_from_bits((uint32_t)((const uint16_t *)p)[i] << 16);
     return lorahook_f32_from_bits(lorahook_f16_to_f32_bits(((const uint16_t *)p)[i]));
@@ -120,10 +127,14 @@ LH_P_INLINE float LH_P_NAME(lh_lanes)(const VF *v) {
 }
 
 /* First phase, NB rows (positions p .. p + NB) of slot s, two rows of A at a time:
-   t[j][position] = scale * A[s][j] . x[row] for j below the slot's rank. */
+   t[j][position] = scale * A[s][j] . x[row] for j below the slot's rank (W8: A in int8,
+   times its row's scale). */
 LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl, ptrdiff_t s,
-                                           ptrdiff_t p, const int NB, const int kind) {
+                                           ptrdiff_t p, const int NB, const int kind,
+                                           const int W8) {
     const ptrdiff_t es = kind == LH_P_F32 ? 4 : 2;
+    const int wk = W8 ? LH_P_I8 : kind;         /* the weights' kind and size */
+    const ptrdiff_t ew = W8 ? 1 : es;
     const ptrdiff_t d_in = c->d_in;
     const char *xr[LH_P_RB1];
     const char *as = sl->A[s];
@@ -134,12 +145,12 @@ LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl
         xr[b] = c->X + (ptrdiff_t)c->order[p + b] * c->ldx * es;
     for (j = 0; j < rank; j += 2) {
         const int two = j + 1 < rank;   /* else the second row repeats the first, unstored */
-        const char *a0p = as + (ptrdiff_t)j * d_in * es;
-        const char *a1p = two ? a0p + d_in * es : a0p;
+        const char *a0p = as + (ptrdiff_t)j * d_in * ew;
+        const char *a1p = two ? a0p + d_in * ew : a0p;
         /* the next pair of rows, one line ahead per stripe: a slot's A is read once per
            call and is seldom in cache (the base weights streamed through since) */
-        const char *next = j + 2 < rank ? a0p + 2 * d_in * es : NULL;
-        const ptrdiff_t next_len = (j + 3 < rank ? 2 : 1) * d_in * es;
+        const char *next = j + 2 < rank ? a0p + 2 * d_in * ew : NULL;
+        const ptrdiff_t next_len = (j + 3 < rank ? 2 : 1) * d_in * ew;
         VF acc0[LH_P_RB1], acc1[LH_P_RB1], a0, a1, xv;
         float tail0[LH_P_RB1], tail1[LH_P_RB1];
         ptrdiff_t i = 0;
@@ -151,7 +162,7 @@ LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl
 #if LH_P_ISA == 3
         /* bfloat16 pairs multiplied and summed into float32 by the CPU (VDPBF16PS):
            32 values a step, no widening */
-        if (kind == LH_P_BF16) {
+        if (kind == LH_P_BF16 && !W8) {
             for (; i + 32 <= d_in; i += 32) {
                 if (next != NULL) {
                     __builtin_prefetch(next + 2 * i, 0, 3);
@@ -169,13 +180,13 @@ LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl
         }
 #endif
         for (; i + LH_P_W <= d_in; i += LH_P_W) {
-            if (next != NULL && (i * es) % 64 < LH_P_W * es) {  /* once per cache line */
-                __builtin_prefetch(next + i * es, 0, 3);
-                if (i * es + d_in * es < next_len)
-                    __builtin_prefetch(next + d_in * es + i * es, 0, 3);
+            if (next != NULL && (i * ew) % 64 < LH_P_W * ew) {  /* once per cache line */
+                __builtin_prefetch(next + i * ew, 0, 3);
+                if (i * ew + d_in * ew < next_len)
+                    __builtin_prefetch(next + d_in * ew + i * ew, 0, 3);
             }
-            LH_P_NAME(lh_load)(a0p + i * es, kind, &a0);
-            LH_P_NAME(lh_load)(a1p + i * es, kind, &a1);
+            LH_P_NAME(lh_load)(a0p + i * ew, wk, &a0);
+            LH_P_NAME(lh_load)(a1p + i * ew, wk, &a1);
             for (b = 0; b < NB; b++) {
                 LH_P_NAME(lh_load)(xr[b] + i * es, kind, &xv);
                 acc0[b] += xv * a0;
@@ -183,28 +194,37 @@ LH_P_INLINE void LH_P_NAME(lh_shrink_rows)(const lh_pairs *c, const lh_slice *sl
             }
         }
         for (; i < d_in; i++) {
-            float f0 = LH_P_NAME(lh_load1)(a0p, i, kind), f1 = LH_P_NAME(lh_load1)(a1p, i, kind);
+            float f0 = LH_P_NAME(lh_load1)(a0p, i, wk), f1 = LH_P_NAME(lh_load1)(a1p, i, wk);
             for (b = 0; b < NB; b++) {
                 float xf = LH_P_NAME(lh_load1)(xr[b], i, kind);
                 tail0[b] += xf * f0;
                 tail1[b] += xf * f1;
             }
         }
-        for (b = 0; b < NB; b++) {
-            t[(ptrdiff_t)j * ld + b] = c->scale * (LH_P_NAME(lh_lanes)(&acc0[b]) + tail0[b]);
+        float s0 = c->scale, s1 = c->scale;
+        if (W8) {
+            s0 *= sl->SA[s][j];
             if (two)
-                t[(ptrdiff_t)(j + 1) * ld + b] =
-                    c->scale * (LH_P_NAME(lh_lanes)(&acc1[b]) + tail1[b]);
+                s1 *= sl->SA[s][j + 1];
+        }
+        for (b = 0; b < NB; b++) {
+            t[(ptrdiff_t)j * ld + b] = s0 * (LH_P_NAME(lh_lanes)(&acc0[b]) + tail0[b]);
+            if (two)
+                t[(ptrdiff_t)(j + 1) * ld + b] = s1 * (LH_P_NAME(lh_lanes)(&acc1[b]) + tail1[b]);
         }
     }
 }
 
 /* Second phase, NB rows (positions p .. p + NB) of slot s, columns [c0, c1) of the
-   slice: y[row, col + c] (+)= sum_j t[j][position] Bt[s][j][c]. */
+   slice: y[row, col + c] (+)= sum_j t[j][position] Bt[s][j][c] (W8: Bt in int8, the sum
+   times its column's scale). */
 LH_P_INLINE void LH_P_NAME(lh_expand_rows)(const lh_pairs *c, const lh_slice *sl, ptrdiff_t s,
                                            ptrdiff_t p, const int NB, ptrdiff_t c0, ptrdiff_t c1,
-                                           const int kind) {
+                                           const int kind, const int W8) {
     const ptrdiff_t es = kind == LH_P_F32 ? 4 : 2;
+    const int wk = W8 ? LH_P_I8 : kind;
+    const ptrdiff_t ew = W8 ? 1 : es;
+    const float *sb = W8 ? sl->SB[s] : NULL;
     const ptrdiff_t d_out = sl->d_out;
     const char *bs = sl->Bt[s];
     const ptrdiff_t ld = c->n_covered;
@@ -220,9 +240,14 @@ LH_P_INLINE void LH_P_NAME(lh_expand_rows)(const lh_pairs *c, const lh_slice *sl
         for (b = 0; b < NB; b++)
             acc[b] = (VF){0};
         for (j = 0; j < rank; j++) {
-            LH_P_NAME(lh_load)(bs + ((ptrdiff_t)j * d_out + col) * es, kind, &bv);
+            LH_P_NAME(lh_load)(bs + ((ptrdiff_t)j * d_out + col) * ew, wk, &bv);
             for (b = 0; b < NB; b++)
                 acc[b] += t[(ptrdiff_t)j * ld + b] * bv;
+        }
+        if (W8 && rank > 0) {  /* (a slot of rank 0 has no scales: its rows get zeros) */
+            LH_P_NAME(lh_load)((const char *)(sb + col), LH_P_F32, &bv);
+            for (b = 0; b < NB; b++)
+                acc[b] *= bv;
         }
         for (b = 0; b < NB; b++) {
             if (c->add) {
@@ -237,7 +262,9 @@ LH_P_INLINE void LH_P_NAME(lh_expand_rows)(const lh_pairs *c, const lh_slice *sl
             float acc = 0.0f;
             for (j = 0; j < rank; j++)
                 acc += t[(ptrdiff_t)j * ld + b] *
-                       LH_P_NAME(lh_load1)(bs, (ptrdiff_t)j * d_out + col, kind);
+                       LH_P_NAME(lh_load1)(bs, (ptrdiff_t)j * d_out + col, wk);
+            if (W8 && rank > 0)
+                acc *= sb[col];
             if (c->add)
                 acc = LH_P_NAME(lh_load1)(yr[b], col, kind) + acc;
             LH_P_NAME(lh_store1)(yr[b], col, kind, acc);
@@ -248,39 +275,40 @@ LH_P_INLINE void LH_P_NAME(lh_expand_rows)(const lh_pairs *c, const lh_slice *sl
 /* Rows [lo, hi) of slot s through a phase, in blocks of 8 (second phase), 4, 2 and 1:
    each block size is a constant, so its accumulators stay in registers. */
 LH_P_INLINE void LH_P_NAME(lh_shrink_span)(const lh_pairs *c, const lh_slice *sl, ptrdiff_t s,
-                                           ptrdiff_t lo, ptrdiff_t hi, const int kind) {
+                                           ptrdiff_t lo, ptrdiff_t hi, const int kind,
+                                           const int W8) {
     ptrdiff_t p = lo;
     for (; p + 4 <= hi; p += 4)
-        LH_P_NAME(lh_shrink_rows)(c, sl, s, p, 4, kind);
+        LH_P_NAME(lh_shrink_rows)(c, sl, s, p, 4, kind, W8);
     if (p + 2 <= hi) {
-        LH_P_NAME(lh_shrink_rows)(c, sl, s, p, 2, kind);
+        LH_P_NAME(lh_shrink_rows)(c, sl, s, p, 2, kind, W8);
         p += 2;
     }
     if (p < hi)
-        LH_P_NAME(lh_shrink_rows)(c, sl, s, p, 1, kind);
+        LH_P_NAME(lh_shrink_rows)(c, sl, s, p, 1, kind, W8);
 }
 
 LH_P_INLINE void LH_P_NAME(lh_expand_span)(const lh_pairs *c, const lh_slice *sl, ptrdiff_t s,
                                            ptrdiff_t lo, ptrdiff_t hi, ptrdiff_t c0,
-                                           ptrdiff_t c1, const int kind) {
+                                           ptrdiff_t c1, const int kind, const int W8) {
     ptrdiff_t p = lo;
     for (; p + 8 <= hi; p += 8)
-        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 8, c0, c1, kind);
+        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 8, c0, c1, kind, W8);
     if (p + 4 <= hi) {
-        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 4, c0, c1, kind);
+        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 4, c0, c1, kind, W8);
         p += 4;
     }
     if (p + 2 <= hi) {
-        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 2, c0, c1, kind);
+        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 2, c0, c1, kind, W8);
         p += 2;
     }
     if (p < hi)
-        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 1, c0, c1, kind);
+        LH_P_NAME(lh_expand_rows)(c, sl, s, p, 1, c0, c1, kind, W8);
 }
 
-/* The share `part` of `parts` of a call, for one element kind. */
+/* The share `part` of `parts` of a call, for one element kind (and int8 weights or not). */
 LH_P_INLINE void LH_P_NAME(lh_pairs_part_k)(const lh_pairs *c, int part, int parts,
-                                            void (*barrier)(void), const int kind) {
+                                            void (*barrier)(void), const int kind, const int W8) {
     ptrdiff_t n = c->n_covered, s, p0, p1, blocks = 0, g0, g1, first = 0;
     int i;
     /* first phase: this part's covered rows, slot by slot */
@@ -294,7 +322,7 @@ LH_P_INLINE void LH_P_NAME(lh_pairs_part_k)(const lh_pairs *c, int part, int par
             if (sl->ranks[s] == 0)
                 continue;
             if (lo < hi)
-                LH_P_NAME(lh_shrink_span)(c, sl, s, lo, hi, kind);
+                LH_P_NAME(lh_shrink_span)(c, sl, s, lo, hi, kind, W8);
         }
     }
     if (parts > 1)
@@ -318,19 +346,26 @@ LH_P_INLINE void LH_P_NAME(lh_pairs_part_k)(const lh_pairs *c, int part, int par
             if (sl->ranks[s] == 0 && c->add)
                 continue;  /* nothing to add; with add == 0 the rows get zeros */
             if (lo < hi)
-                LH_P_NAME(lh_expand_span)(c, sl, s, lo, hi, c0, c1, kind);
+                LH_P_NAME(lh_expand_span)(c, sl, s, lo, hi, c0, c1, kind, W8);
         }
     }
 }
 
 static void LH_P_NAME(lh_pairs_part)(const lh_pairs *c, int part, int parts,
                                      void (*barrier)(void)) {
-    if (c->kind == LH_P_BF16)
-        LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_BF16);
+    if (c->w8) {
+        if (c->kind == LH_P_BF16)
+            LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_BF16, 1);
+        else if (c->kind == LH_P_F16)
+            LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_F16, 1);
+        else
+            LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_F32, 1);
+    } else if (c->kind == LH_P_BF16)
+        LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_BF16, 0);
     else if (c->kind == LH_P_F16)
-        LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_F16);
+        LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_F16, 0);
     else
-        LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_F32);
+        LH_P_NAME(lh_pairs_part_k)(c, part, parts, barrier, LH_P_F32, 0);
 }
 
 #undef VF

@@ -36,6 +36,8 @@ cdef extern from "_pairs.h" nogil:
     ctypedef struct lh_slice:
         const char *const *A
         const char *const *Bt
+        const float *const *SA
+        const float *const *SB
         const int *ranks
         int rmax
         int d_out
@@ -53,6 +55,7 @@ cdef extern from "_pairs.h" nogil:
         Py_ssize_t ldy
         int d_in
         int kind
+        int w8
         int add
         float scale
         int n_slices
@@ -180,10 +183,12 @@ cdef class SlotPairs:
       ``half``; every array has the same kind.  The arrays are referred to, not
       copied: their owner may rewrite them between calls (ranks are checked at
       every call), never reshape them.
-    * :meth:`per_slot` ``(n_slots, d_in, d_outs, dtype)``: slots that refer to
-      each adapter's own arrays, set one slot and slice at a time
-      (:meth:`set_slot`, :meth:`clear_slot`) at that adapter's rank: a slot
-      costs what its adapter holds, whatever the largest rank.
+    * :meth:`per_slot` ``(n_slots, d_in, d_outs, dtype, weights=None)``: slots
+      that refer to each adapter's own arrays, set one slot and slice at a
+      time (:meth:`set_slot`, :meth:`clear_slot`) at that adapter's rank: a
+      slot costs what its adapter holds, whatever the largest rank.  With
+      ``weights="int8"`` the factors are int8 with float32 scales, whatever
+      the rows' dtype, and the kernel widens them in registers.
 
     Slice ``i`` writes columns ``[sum(d_out_0 .. d_out_{i-1}), ... + d_out_i)``
     of the output.
@@ -193,6 +198,8 @@ cdef class SlotPairs:
     cdef readonly Py_ssize_t d_in
     cdef readonly Py_ssize_t d_out
     cdef readonly int n_slices
+    cdef readonly bint int8    # int8 factors with their scales (per_slot's weights="int8")
+    cdef const float **_scales # per slice: n_slots pointers to a's scales, then n_slots to b's
     cdef object _refs          # what the pointers point into, kept alive
     cdef object _ranks         # per slice: the int32 ranks array the kernel reads
     cdef const char **_ptrs    # per slice: n_slots pointers into A, then n_slots into Bt
@@ -203,6 +210,7 @@ cdef class SlotPairs:
 
     def __cinit__(self, *args, **kwargs):
         self._ptrs = NULL
+        self._scales = NULL
 
     def __init__(self, a, bt, ranks, half=None):
         cdef int bits = half_bits(half), i, kind = -1
@@ -257,15 +265,18 @@ cdef class SlotPairs:
         self._refs = list(zip(a, bt))
 
     @staticmethod
-    def per_slot(Py_ssize_t n_slots, Py_ssize_t d_in, d_outs, dtype="float32"):
+    def per_slot(Py_ssize_t n_slots, Py_ssize_t d_in, d_outs, dtype="float32", weights=None):
         """Empty slots (every rank 0) that :meth:`set_slot` fills with adapters' own arrays.
 
         ``d_outs``: each slice's output width (one to eight); ``dtype``:
-        ``'float32'``, ``'float16'`` or ``'bfloat16'`` (16-bit arrays may be
-        uint16 patterns).
+        ``'float32'``, ``'float16'`` or ``'bfloat16'``, the rows' (16-bit
+        arrays may be uint16 patterns); ``weights``: ``None`` (factors in
+        ``dtype``) or ``'int8'`` (int8 factors with float32 scales).
         """
         if dtype not in _PAIR_KINDS:
             raise ValueError(f"dtype must be one of {sorted(_PAIR_KINDS)}, got {dtype!r}")
+        if weights not in (None, "int8"):
+            raise ValueError(f"weights must be None or 'int8', got {weights!r}")
         d_outs = [int(d) for d in d_outs]
         if not 1 <= len(d_outs) <= LH_P_MAX_SLICES:
             raise ValueError(f"d_outs must hold 1 to {LH_P_MAX_SLICES} widths, got {len(d_outs)}")
@@ -276,6 +287,7 @@ cdef class SlotPairs:
         p._layout(_PAIR_KINDS[dtype], n_slots, d_in, d_outs,
                   [np.zeros(n_slots, np.int32) for _ in d_outs])
         p._settable = True
+        p.int8 = weights == "int8"
         p._refs = [[None] * n_slots for _ in d_outs]
         for i in range(p.n_slices):
             p.slices[i].rmax = 1
@@ -293,12 +305,16 @@ cdef class SlotPairs:
         self.n_slices = len(d_outs)
         self._ranks = ranks
         self._ptrs = <const char **>calloc(max(1, 2 * self.n_slices * n_slots), sizeof(char *))
-        if self._ptrs == NULL:
+        self._scales = <const float **>calloc(max(1, 2 * self.n_slices * n_slots),
+                                              sizeof(float *))
+        if self._ptrs == NULL or self._scales == NULL:
             raise MemoryError("lorahook could not allocate a slot table")
         self.d_out = 0
         for i in range(self.n_slices):
             self.slices[i].A = self._ptrs + 2 * i * n_slots
             self.slices[i].Bt = self._ptrs + (2 * i + 1) * n_slots
+            self.slices[i].SA = self._scales + 2 * i * n_slots
+            self.slices[i].SB = self._scales + (2 * i + 1) * n_slots
             self.slices[i].ranks = <const int *>cnp.PyArray_DATA(<cnp.ndarray>ranks[i])
             self.slices[i].d_out = <int>d_outs[i]
             self.slices[i].col = self.d_out
@@ -316,19 +332,27 @@ cdef class SlotPairs:
 
     def __dealloc__(self):
         free(self._ptrs)
+        free(self._scales)
 
-    def set_slot(self, int i, Py_ssize_t slot, a, bt):
+    def set_slot(self, int i, Py_ssize_t slot, a, bt, scales=None):
         """Slot ``slot`` of slice ``i`` refers to ``a`` ``(k, d_in)`` and ``bt`` ``(k, d_out_i)``.
 
         Both C-contiguous, in the pairs' dtype (16-bit arrays may be uint16
         patterns), with one rank ``k >= 1``; they are referred to, not copied,
-        and kept alive until the slot is set again or cleared.  Costs nothing
-        per other slot.  ``RuntimeError`` while a call runs on these pairs.
+        and kept alive until the slot is set again or cleared.  int8 pairs
+        take int8 ``a`` and ``bt`` and ``scales=(a_scale, b_scale)``: float32,
+        ``(k,)`` and ``(d_out_i,)``, finite and ``>= 0`` (``A = a_scale[:,
+        None] * a``, ``B^T = bt * b_scale``).  Costs nothing per other slot.
+        ``RuntimeError`` while a call runs on these pairs.
         """
         self._check_settable(i, slot)
+        if self.int8:
+            scales = _int8_scales(a, bt, scales, self.d_in, self.slices[i].d_out)
+        elif scales is not None:
+            raise TypeError("these pairs hold factors in their rows' dtype: no scales")
         bits = -1 if self.kind == ROWS_F32 else self.kind
         for arr, name, width in ((a, "a", self.d_in), (bt, "bt", self.slices[i].d_out)):
-            if check_type(arr, name, bits) != self.kind:
+            if not self.int8 and check_type(arr, name, bits) != self.kind:
                 raise TypeError(f"{name} must have the pairs' dtype "
                                 f"({['float32', 'float16', 'bfloat16'][self.kind]}), got "
                                 f"{arr.dtype}")
@@ -342,7 +366,12 @@ cdef class SlotPairs:
         self._ptrs[2 * i * self.n_slots + slot] = <const char *>cnp.PyArray_DATA(<cnp.ndarray>a)
         self._ptrs[(2 * i + 1) * self.n_slots + slot] = \
             <const char *>cnp.PyArray_DATA(<cnp.ndarray>bt)
-        self._refs[i][slot] = (a, bt)
+        self._refs[i][slot] = (a, bt, scales)
+        if scales is not None:
+            self._scales[2 * i * self.n_slots + slot] = \
+                <const float *>cnp.PyArray_DATA(<cnp.ndarray>scales[0])
+            self._scales[(2 * i + 1) * self.n_slots + slot] = \
+                <const float *>cnp.PyArray_DATA(<cnp.ndarray>scales[1])
         if k > self.slices[i].rmax:
             self.slices[i].rmax = k
             self._offsets()
@@ -354,6 +383,8 @@ cdef class SlotPairs:
         self._ranks[i][slot] = 0
         self._ptrs[2 * i * self.n_slots + slot] = NULL
         self._ptrs[(2 * i + 1) * self.n_slots + slot] = NULL
+        self._scales[2 * i * self.n_slots + slot] = NULL
+        self._scales[(2 * i + 1) * self.n_slots + slot] = NULL
         self._refs[i][slot] = None
 
     cdef int _check_settable(self, int i, Py_ssize_t slot) except -1:
@@ -383,6 +414,27 @@ cdef class SlotPairs:
     def __repr__(self):
         return (f"SlotPairs(slices={self.n_slices}, slots={self.n_slots}, d_in={self.d_in}, "
                 f"d_out={self.d_out})")
+
+
+def _int8_scales(a, bt, scales, Py_ssize_t d_in, Py_ssize_t d_out):
+    """Check int8 factors ``a`` ``(k, d_in)``, ``bt`` ``(k, d_out)`` and their scales; the scales."""
+    for arr, name, width in ((a, "a", d_in), (bt, "bt", d_out)):
+        if (not isinstance(arr, np.ndarray) or arr.dtype != np.int8 or arr.ndim != 2
+                or not arr.flags.c_contiguous or arr.shape[1] != width):
+            raise TypeError(f"{name} must be a C-contiguous 2-D int8 array (rank, {width}), got "
+                            f"{type(arr).__name__} {getattr(arr, 'dtype', '')} "
+                            f"{getattr(arr, 'shape', '')}")
+    if not isinstance(scales, tuple) or len(scales) != 2:
+        raise TypeError("int8 pairs take scales=(a_scale, b_scale)")
+    for arr, name, n in ((scales[0], "a_scale", a.shape[0]), (scales[1], "b_scale", d_out)):
+        if (not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.shape != (n,)
+                or not arr.flags.c_contiguous or not arr.dtype.isnative):
+            raise TypeError(f"{name} must be a C-contiguous float32 array of shape ({n},), got "
+                            f"{type(arr).__name__} {getattr(arr, 'dtype', '')} "
+                            f"{getattr(arr, 'shape', '')}")
+        if not (np.isfinite(arr).all() and (arr >= 0).all()):
+            raise ValueError(f"{name} must be finite and >= 0")
+    return scales
 
 
 def apply_pairs(SlotRows groups not None, x, y, SlotPairs pairs not None, scale=1.0, *,
@@ -493,6 +545,7 @@ cdef int _run_pairs(SlotRows groups, SlotPairs pairs, const char *X, Py_ssize_t 
     c.ldy = ldy
     c.d_in = <int>pairs.d_in
     c.kind = pairs.kind
+    c.w8 = pairs.int8
     c.add = add
     c.scale = <float>float(scale)
     c.n_slices = pairs.n_slices

@@ -401,3 +401,70 @@ def test_per_slot_refusals_name_what_was_wrong():
     with pytest.raises(TypeError, match="only pairs made by SlotPairs.per_slot"):
         stacked.set_slot(0, 0, np.zeros((3, 8), np.float32), np.zeros((3, 6), np.float32))
     assert list(pairs.ranks(0)) == [0, 0] and not pairs.used  # nothing was half set
+
+
+def _int8_per_slot(half, stacked, ref):
+    """``stacked``'s adapters in int8 per-slot pairs, and the dequantized float64 factors."""
+    from lorahook._arrays import quantized
+    a64, bt64, ranks = ref
+    outs = [b.shape[2] for b in bt64]
+    pairs = SlotPairs.per_slot(stacked.n_slots, stacked.d_in, outs,
+                               "float32" if half is None else half, weights="int8")
+    qa64 = [np.zeros_like(v) for v in a64]
+    qbt64 = [np.zeros_like(v) for v in bt64]
+    for i in range(len(outs)):
+        for s in range(stacked.n_slots):
+            k = ranks[i][s]
+            if k:
+                a, sa = quantized(a64[i][s, :k], 1)       # a scale per row of A
+                bt, sb = quantized(bt64[i][s, :k], 0)     # one per output (column of B^T)
+                pairs.set_slot(i, s, a, bt, (sa, sb))
+                qa64[i][s, :k] = sa.astype(np.float64)[:, None] * a
+                qbt64[i][s, :k] = bt * sb.astype(np.float64)
+    return pairs, (qa64, qbt64, ranks)
+
+
+@pytest.mark.parametrize("half", KINDS)
+@pytest.mark.parametrize("add", [True, False])
+def test_int8_slots_equal_float64_on_their_dequantized_factors(build, half, add):
+    # int8 factors read in place and widened in registers, rows in any dtype: float64 on
+    # the dequantized factors, the same bits on any team
+    outs = [33, 16, 5]
+    stacked, ref, slots, x, x64, y, y64 = _problem(half, 41, 37, outs, n_slots=7, pad=0.0)
+    pairs, qref = _int8_per_slot(half, stacked, ref)
+    assert pairs.int8 and [list(pairs.ranks(i)) for i in range(3)] == [list(r) for r in ref[2]]
+    groups = SlotRows(slots, 7)
+    results = []
+    for team in (None, _team(2), _team(3)):
+        got = y.copy()
+        apply_pairs(groups, x, got[:, 3:3 + sum(outs)], pairs, 0.5, add=add, half=half,
+                    team=team)
+        results.append(got)
+    for other in results[1:]:
+        assert np.array_equal(other.view(np.uint8), results[0].view(np.uint8))
+    got = results[0]
+    assert np.array_equal(got[slots < 0].view(np.uint8), y[slots < 0].view(np.uint8))
+    _assert_near_float64(got, half, slots, x64, y64, qref, outs, 0.5, add)
+
+
+def test_int8_slot_refusals_name_what_was_wrong():
+    pairs = SlotPairs.per_slot(2, 8, [6], weights="int8")
+    a, bt = np.ones((3, 8), np.int8), np.ones((3, 6), np.int8)
+    sa, sb = np.ones(3, np.float32), np.ones(6, np.float32)
+    with pytest.raises(TypeError, match="scales=\\(a_scale, b_scale\\)"):
+        pairs.set_slot(0, 0, a, bt)
+    with pytest.raises(TypeError, match="a must be a C-contiguous 2-D int8"):
+        pairs.set_slot(0, 0, a.astype(np.float32), bt, (sa, sb))
+    with pytest.raises(TypeError, match=r"b_scale must be a C-contiguous float32 array of shape \(6,\)"):
+        pairs.set_slot(0, 0, a, bt, (sa, sb[:5].copy()))
+    for bad in (np.nan, np.inf, -1.0):
+        sb2 = sb.copy()
+        sb2[2] = bad
+        with pytest.raises(ValueError, match="b_scale must be finite and >= 0"):
+            pairs.set_slot(0, 0, a, bt, (sa, sb2))
+    assert not pairs.used  # nothing was set
+    with pytest.raises(TypeError, match="no scales"):
+        SlotPairs.per_slot(2, 8, [6]).set_slot(0, 0, a.astype(np.float32),
+                                               bt.astype(np.float32), (sa, sb))
+    with pytest.raises(ValueError, match="weights must be None or 'int8'"):
+        SlotPairs.per_slot(2, 8, [6], weights="int4")

@@ -26,6 +26,13 @@ costs what its adapter holds whatever ``--max-loras`` and
 embedding, whose forward reads vLLM's stacked ``A`` itself; sharded layers;
 MoE) keeps vLLM's slots, and one log line names it.
 ``LORAHOOK_VLLM_SLOTS=stacked`` keeps vLLM's slots for every layer.
+
+``LORAHOOK_VLLM_ADAPTER_DTYPE=int8`` holds the slots lorahook serves in int8
+instead: when vLLM sets a slot, its factors are quantized once (a float32
+scale per row of ``A`` and per output, symmetric, to nearest) into arrays the
+table keeps, and the kernel reads them in place, widening in registers; a
+step reads a quarter of float32's bytes of each adapter (half of
+bfloat16's).  vLLM's CPU cache keeps its own copy in the LoRA dtype.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ import weakref
 
 import torch
 
+from lorahook._arrays import quantized
 from lorahook._slot_pairs import SlotPairs, apply_pairs_tensors
 from lorahook.vllm.tensors import HALF, array_of
 
@@ -76,6 +84,16 @@ def _once(key, level, msg, *args) -> None:
         logger.log(level, msg, *args)
 
 
+def adapter_dtype() -> str | None:
+    """``LORAHOOK_VLLM_ADAPTER_DTYPE``: ``int8``, or ``None`` (unset or ``auto``: vLLM's LoRA dtype)."""
+    raw = os.environ.get("LORAHOOK_VLLM_ADAPTER_DTYPE", "").strip()
+    if raw in ("", "auto"):
+        return None
+    if raw == "int8":
+        return raw
+    raise ValueError(f"LORAHOOK_VLLM_ADAPTER_DTYPE must be 'auto' or 'int8', got {raw!r}")
+
+
 def _placeholder(shape, dtype) -> torch.Tensor:
     """A tensor of ``shape`` whose elements are all one zero: vLLM reads its shape and dtype."""
     return torch.zeros(1, dtype=dtype).view((1,) * len(shape)).expand(shape)
@@ -91,11 +109,13 @@ class SlotTable:
     """
 
     __slots__ = ("name", "pairs", "dtype", "half", "width", "d_outs", "a", "b", "_held", "used",
-                 "log", "__weakref__")
+                 "log", "int8", "__weakref__")
 
-    def __init__(self, name, n_slots, d_in, d_outs, dtype, rank, tupled):
+    def __init__(self, name, n_slots, d_in, d_outs, dtype, rank, tupled, int8=False):
         self.name = name
-        self.pairs = SlotPairs.per_slot(n_slots, d_in, d_outs, _KINDS[dtype])
+        self.int8 = bool(int8)
+        self.pairs = SlotPairs.per_slot(n_slots, d_in, d_outs, _KINDS[dtype],
+                                        weights="int8" if self.int8 else None)
         self.dtype = dtype
         self.half = HALF.get(dtype)
         self.width = sum(d_outs)
@@ -145,7 +165,8 @@ class SlotTable:
         values moved into the transposed layout in place (the tensor vLLM's
         cache holds keeps its shape and values, with strides ``(1, d_out)``),
         once: an adapter activated again is read as it lies.  Narrower
-        factors (vLLM pads them with zeros) and other dtypes are copied.
+        factors (vLLM pads them with zeros) and other dtypes are copied.  An
+        int8 table quantizes them instead: ``(A8, B^T8, (a_scale, b_scale))``.
         """
         d_in, d_out = self.pairs.d_in, self.d_outs[i]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] < 1 \
@@ -157,6 +178,8 @@ class SlotTable:
             raise ValueError(f"lorahook: {self.name}: an adapter's tensors must be on the CPU, "
                              f"got {a.device} and {b.device}")
         k = a.shape[0]
+        if self.int8:
+            return self._quantized(a, b, d_in, d_out)
         with torch.inference_mode():  # vLLM's cache may hold inference tensors
             if a.shape[1] == d_in and a.dtype == self.dtype and a.is_contiguous():
                 at = a
@@ -175,6 +198,20 @@ class SlotTable:
                 bt = torch.zeros((k, d_out), dtype=self.dtype)
                 bt[:, :b.shape[0]] = b.t()
         return array_of(at.detach(), []), array_of(bt.detach(), [])
+
+    @staticmethod
+    def _quantized(a, b, d_in, d_out):
+        """``A`` and ``B^T`` (zero-padded to the slice's widths) in int8, with their scales."""
+        k = a.shape[0]
+        with torch.inference_mode():
+            a32 = torch.zeros((k, d_in), dtype=torch.float32)
+            a32[:, :a.shape[1]] = a
+            bt32 = torch.zeros((k, d_out), dtype=torch.float32)
+            bt32[:, :b.shape[0]] = b.t()
+        if not (torch.isfinite(a32).all() and torch.isfinite(bt32).all()):
+            raise ValueError("lorahook: an adapter's A or B holds values that are not finite")
+        (qa, sa), (qbt, sb) = quantized(a32.numpy(), 1), quantized(bt32.numpy(), 0)
+        return qa, qbt, (sa, sb)
 
     def apply_converted(self, rows, covered, x, y, scale, add, team) -> None:
         """The call on rows the fast path does not take (another dtype or layout).
@@ -340,14 +377,18 @@ def _create(original):
             got = _probe(self, original, lora_config, model_config)
             if isinstance(got, str):
                 why = got
+        int8 = adapter_dtype() == "int8"
         if why is not None:
             _once(("kept", type(self).__name__, why), logging.INFO,
-                  "lorahook: %s layers keep vLLM's slots (--max-loras x --max-lora-rank): %s",
-                  type(self).__name__, why)
+                  "lorahook: %s layers keep vLLM's slots (--max-loras x --max-lora-rank%s): %s",
+                  type(self).__name__, ", in vLLM's LoRA dtype, not int8" if int8 else "", why)
             return original(self, max_loras, lora_config, model_config, *args, **kwargs)
         d_in, d_outs, tupled = got
         table = SlotTable(type(self).__name__, max_loras, d_in, d_outs, lora_config.lora_dtype,
-                          lora_config.max_lora_rank, tupled)
+                          lora_config.max_lora_rank, tupled, int8)
+        if int8:
+            _once("int8", logging.INFO, "lorahook: adapters held in int8 in lorahook's slots "
+                  "(LORAHOOK_VLLM_ADAPTER_DTYPE=int8), a scale per row of A and per output")
         self.lora_a_stacked, self.lora_b_stacked = table.a, table.b
         self._lorahook_slots = table
         _once("served", logging.INFO,

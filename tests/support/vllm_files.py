@@ -36,6 +36,27 @@ def peft_greedy(model_dir, adapter_dir, prompt_ids, max_new_tokens):
     return out.sequences[0, len(prompt_ids):].tolist(), top2
 
 
+def int8_copy(src, dst):
+    """A copy of the PEFT adapter ``src`` at ``dst`` whose LoRA factors hold the values an int8
+    slot holds (a scale per row of ``lora_A`` and per output, i.e. per row of ``lora_B``);
+    embedding factors, which keep vLLM's slots, as they were."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from lorahook._arrays import quantized
+    os.makedirs(dst, exist_ok=True)
+    shutil.copy(os.path.join(src, "adapter_config.json"), dst)
+    tensors = load_file(os.path.join(src, "adapter_model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith(("lora_A.weight", "lora_B.weight")):
+            q, scale = quantized(t.astype(np.float32), 1)
+            tensors[name] = (scale.astype(np.float64)[:, None] * q).astype(np.float32)
+    save_file(tensors, os.path.join(dst, "adapter_model.safetensors"))
+    return dst
+
+
 def assert_same_or_tie(got, ref, ref_top2, tol, what):
     """``got`` equals ``ref`` token for token, or parts from it only where the reference was torn.
 

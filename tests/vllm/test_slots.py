@@ -217,3 +217,48 @@ def test_unknown_layers_and_the_switch_keep_vllms_slots(monkeypatch, caplog):
     layer = _layer(3, 8)
     assert "_lorahook_slots" not in layer.__dict__
     assert layer.lora_b_stacked[1].shape == (3, 1, OUTS[1], 8)
+
+
+def _dequantized(adapter):
+    """An adapter's factors as the int8 table holds them (float64 of the dequantized values)."""
+    from lorahook._arrays import quantized
+    a, b = adapter
+    qa = [None if t is None else torch.from_numpy(
+        (lambda q, s: s.astype(np.float64)[:, None] * q)(*quantized(t.float().numpy(), 1)))
+        for t in a]
+    qb = [None if t is None else torch.from_numpy(
+        (lambda q, s: (q * s.astype(np.float64)).T)(*quantized(t.float().numpy().T, 0)))
+        for t in b]
+    return qa, qb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_slots_against_float64_on_the_dequantized_factors(monkeypatch, dtype):
+    monkeypatch.setenv("LORAHOOK_VLLM_ADAPTER_DTYPE", "int8")
+    layer = _layer(3, 16, dtype)
+    table = layer._lorahook_slots
+    assert table.int8 and table.pairs.int8
+    a, b = _adapter(16, dtype, seed=10)
+    a4, b4 = _adapter(4, dtype, seed=11)
+    a4[1] = b4[1] = None
+    layer.set_lora(2, a, b)
+    layer.set_lora(0, a4, b4)
+    assert [table.pairs.ranks(i)[2] for i in range(2)] == [16, 16]
+    x = torch.randn(6, D_IN, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got, want = _delta(layer, [2, -1, 0, 2, 1, 0], x, {2: _dequantized((a, b)),
+                                                        0: _dequantized((a4, b4))})
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+    else:  # each output rounded once to bfloat16
+        assert torch.allclose(got, want, rtol=8e-3, atol=8e-3 * float(want.abs().max()))
+    assert torch.count_nonzero(got[[1, 4]]) == 0
+    layer.reset_lora(2)
+    assert table.pairs.ranks(0)[2] == 0
+
+
+def test_the_adapter_dtype_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("LORAHOOK_VLLM_ADAPTER_DTYPE", "int4")
+    with pytest.raises(ValueError, match="LORAHOOK_VLLM_ADAPTER_DTYPE must be 'auto' or 'int8'"):
+        _layer(2, 8)
+    monkeypatch.setenv("LORAHOOK_VLLM_ADAPTER_DTYPE", "auto")
+    assert not _layer(2, 8)._lorahook_slots.int8
