@@ -357,28 +357,35 @@ def serve(workdir, requests=64, max_tokens=32, configs=None, rounds=3, without_l
 
 # the tenants benchmark's engines, in two groups alive one after the other (a group's
 # engines take bursts in turn, round after round): (key, tenants' kind, tenants,
-# requests, --max-loras, --max-cpu-loras, --max-lora-rank, plugin); a kind None is vLLM
-# started without --enable-lora
+# requests, --max-loras, --max-cpu-loras, --max-lora-rank, environment); a kind None is
+# vLLM started without --enable-lora
+OWN = {"VLLM_PLUGINS": "none"}              # vLLM's own kernels
+INT8 = {"LORAHOOK_VLLM_ADAPTER_DTYPE": "int8"}  # lorahook's, adapters held in int8
 TENANT_GROUPS = [
-    [("t64", "rank 8", 64, 64, 64, 64, 8, True),
-     ("t64 own", "rank 8", 64, 64, 64, 64, 8, False),
-     ("t256 via 64", "rank 8", 256, 256, 64, 256, 8, True)],
-    [("t256 mixed", "mixed", 256, 256, 256, 256, 64, True),
-     ("no lora", None, 0, 256, 1, 1, 8, False)],
+    [("t64", "rank 8", 64, 64, 64, 64, 8, {}),
+     ("t64 int8", "rank 8", 64, 64, 64, 64, 8, INT8),
+     ("t64 own", "rank 8", 64, 64, 64, 64, 8, OWN),
+     ("t256 via 64", "rank 8", 256, 256, 64, 256, 8, {})],
+    [("t256 mixed", "mixed", 256, 256, 256, 256, 64, {}),
+     ("no lora", None, 0, 256, 1, 1, 8, OWN)],
 ]
 TENANT_BURSTS = [  # (rate key, engine, requests with or without their adapters)
-    [("t64", "t64", "adapters"), ("t64 none", "t64", "none"), ("t64 own", "t64 own", "adapters"),
-     ("t256 via 64", "t256 via 64", "adapters")],
+    [("t64", "t64", "adapters"), ("t64 none", "t64", "none"), ("t64 int8", "t64 int8", "adapters"),
+     ("t64 own", "t64 own", "adapters"), ("t256 via 64", "t256 via 64", "adapters")],
     [("t256 mixed", "t256 mixed", "adapters"), ("no lora", "no lora", "none")],
 ]
+# --only-64: the 64 tenants alone, with lorahook's slots in the model's dtype and in int8
+ONLY_64 = ("t64", "t64 int8")
 
 
-def tenants(workdir, configs=None, rounds=3, max_tokens=32, own_256=True):
+def tenants(workdir, configs=None, rounds=3, max_tokens=32, own_256=True, only_64=False):
     """Many tenants, each request its own adapter: lorahook's slots against vLLM's.
 
     For each configuration (bfloat16 and float32 on two threads), first: 64
     rank-8 tenants with ``--max-loras 64`` (lorahook with and without the
-    adapters, vLLM's own kernels) and 256 through ``--max-loras 64``; then 256
+    adapters, lorahook with its slots in int8, vLLM's own kernels) and 256
+    through ``--max-loras 64`` (``only_64``: lorahook's two 64-tenant engines
+    alone, then nothing else); then 256
     tenants of ranks 8, 16 and 64 on different modules with ``--max-loras 256
     --max-cpu-loras 256 --max-lora-rank 64`` beside vLLM without LoRA: the
     rates, and the worker's resident set against that engine's, set against
@@ -408,12 +415,15 @@ def tenants(workdir, configs=None, rounds=3, max_tokens=32, own_256=True):
                         enable_lora=kind is not None, requests=n_requests,
                         max_tokens=max_tokens, max_loras=max_loras, max_cpu_loras=cpu,
                         max_lora_rank=rank, dtype=dtype, max_num_seqs=64, warm_all=True)
-        for group, order in zip(TENANT_GROUPS, TENANT_BURSTS):
+        for group, order in zip(TENANT_GROUPS[:1] if only_64 else TENANT_GROUPS,
+                                TENANT_BURSTS):
+            if only_64:
+                group = [g for g in group if g[0] in ONLY_64]
+                order = [o for o in order if o[1] in ONLY_64]
             engines = {}
             try:
-                for key, kind, n, nreq, loras, cpu, rank, plugin in group:
-                    e = {**env} if plugin else {**env, "VLLM_PLUGINS": "none"}
-                    engines[key] = _Engine(spec(kind, n, nreq, loras, cpu, rank), e,
+                for key, kind, n, nreq, loras, cpu, rank, extra in group:
+                    engines[key] = _Engine(spec(kind, n, nreq, loras, cpu, rank), {**env, **extra},
                                            os.path.join(workdir, f"{key}.log")).ready()
                 for r in range(rounds):
                     for key, engine, what in order if r % 2 == 0 else order[::-1]:
@@ -423,6 +433,19 @@ def tenants(workdir, configs=None, rounds=3, max_tokens=32, own_256=True):
             finally:
                 for engine in engines.values():
                     engine.close()
+        def ratio(k1, k2):
+            return statistics.median(a / b for a, b in zip(rates[k1], rates[k2], strict=True))
+        if only_64:
+            row = dict(config=label, rates=rates, vs_none=ratio("t64", "t64 none"),
+                       int8_vs_none=ratio("t64 int8", "t64 none"),
+                       int8_vs_f=ratio("t64 int8", "t64"))
+            table.append(row)
+            print(f"{label}: tokens/s per round: " + "; ".join(
+                f"{k} {_fmt(v)}" for k, v in rates.items()), flush=True)
+            print(f"| {label} | 64 tenants / no adapters: {row['vs_none']:.3f}, in int8 "
+                  f"{row['int8_vs_none']:.3f}; int8 / {dtype} slots {row['int8_vs_f']:.3f} |",
+                  flush=True)
+            continue
         own = "not run"
         if own_256:
             e = _Engine({**spec("mixed", 256, 256, 256, 256, 64), "oom_first": True},
@@ -437,11 +460,9 @@ def tenants(workdir, configs=None, rounds=3, max_tokens=32, own_256=True):
             finally:
                 e.close()
 
-        def ratio(k1, k2):
-            return statistics.median(a / b for a, b in zip(rates[k1], rates[k2], strict=True))
         lora_mem = rss["t256 mixed"] - rss["no lora"]
         row = dict(config=label, rates=rates, vs_none=ratio("t64", "t64 none"),
-                   vs_own=ratio("t64", "t64 own"), via64=ratio("t256 via 64", "t64"),
+                   int8_vs_none=ratio("t64 int8", "t64 none"), vs_own=ratio("t64", "t64 own"), via64=ratio("t256 via 64", "t64"),
                    mixed_vs_none=ratio("t256 mixed", "no lora"), lora_mem=lora_mem,
                    adapters_bytes=mixed_bytes, own_256=own)
         table.append(row)
@@ -454,13 +475,16 @@ def tenants(workdir, configs=None, rounds=3, max_tokens=32, own_256=True):
               f"({lora_mem / mixed_bytes:.2f} x); vLLM's own kernels and slots: {own}",
               flush=True)
     print()
-    print("| configuration | 64 tenants, --max-loras 64: lorahook / no adapters | / vLLM's own "
+    if only_64:
+        return table
+    print("| configuration | 64 tenants, --max-loras 64: lorahook / no adapters | in int8 "
+          "| / vLLM's own "
           "| 256 tenants via --max-loras 64 / 64 tenants | 256 mixed tenants, --max-loras 256 "
           "--max-lora-rank 64: / vLLM without LoRA | its LoRA memory / adapters' bytes |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['config']} | {r['vs_none']:.3f} ({max(r['rates']['t64']):.0f} tokens/s) "
-              f"| {r['vs_own']:.2f} | {r['via64']:.2f} | {r['mixed_vs_none']:.2f} | "
+              f"| {r['int8_vs_none']:.3f} | {r['vs_own']:.2f} | {r['via64']:.2f} | {r['mixed_vs_none']:.2f} | "
               f"{r['lora_mem'] / 2**20:.0f} / {r['adapters_bytes'] / 2**20:.0f} MiB = "
               f"{r['lora_mem'] / r['adapters_bytes']:.2f} |")
     return table
@@ -493,6 +517,9 @@ def main():
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="serve: vLLM's --lora-target-modules for both LoRA engines (the "
                         "adapters' modules are qkv_proj o_proj down_proj)")
+    p.add_argument("--only-64", action="store_true",
+                   help="tenants: lorahook's 64-tenant engines alone, slots in the model's "
+                        "dtype and in int8")
     p.add_argument("--skip-own-256", action="store_true",
                    help="tenants: do not try vLLM's own kernels with 256 slots of rank 64")
     args = p.parse_args()
@@ -500,7 +527,8 @@ def main():
         ops(dtype=args.dtype, threads=args.threads)
     elif args.what == "tenants":
         tenants(args.workdir or tempfile.mkdtemp(prefix="lorahook-vllm-bench-"),
-                configs=args.config, rounds=args.rounds, own_256=not args.skip_own_256)
+                configs=args.config, rounds=args.rounds, own_256=not args.skip_own_256,
+                only_64=args.only_64)
     else:
         workdir = args.workdir or tempfile.mkdtemp(prefix="lorahook-vllm-bench-")
         serve(workdir, configs=args.config, rounds=args.rounds,

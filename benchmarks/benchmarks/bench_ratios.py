@@ -15,6 +15,9 @@ Scenarios (Qwen-like projections, rank 16 unless named):
 - ``mixed``: 128 rows over 8 adapters (16 rows each, shuffled), 1024 -> 3584;
   numpy computes each adapter's rows with a gather and a scatter.
 
+``Int8Adapters`` times a mixed batch of 8 adapters (1 or 16 rows each) held in
+int8 against the same adapters in float32, and their bytes.
+
 ``LORAHOOK_BENCH_SLOWDOWN=k`` (an integer, default 1) makes lorahook's side do
 its call ``k`` times: a known slowdown, to see ``asv continuous`` and ``asv
 compare`` flag it with its factor (see the Benchmarks guide).
@@ -134,3 +137,51 @@ class Kernels:
         return median_ratio(self._lorahook, self._numpy)
 
     track_vs_numpy.unit = "lorahook / numpy"
+
+
+# mixed batches of adapters held in int8 against the same adapters in float32 (one row or
+# 16 rows of each of 8 adapters, 1024 -> 3584, rank 16)
+HELD = {"decode": (8, 1), "prefill": (8, 16)}
+
+
+class Int8Adapters:
+    """A mixed batch with its adapters held in int8, against the same in float32."""
+
+    params = [list(HELD)]
+    param_names = ["scenario"]
+
+    def setup(self, scenario):
+        adapters, per = HELD[scenario]
+        _configure()
+        rng = np.random.default_rng(11)
+        layers = [_layer(rng, 1024, 3584, 16) for _ in range(adapters)]
+        store_class = getattr(lorahook, "AdapterSet", None)
+        try:
+            stores = {dt: store_class(dtype=dt) for dt in ("float32", "int8")}
+        except TypeError:  # a version without int8 adapters (or without a store dtype)
+            raise NotImplementedError
+        names = [f"a{k}" for k in range(adapters)]
+        for dt, store in stores.items():
+            for name, layer in zip(names, layers):
+                store.add(name, LoraAdapter({(0, "up_proj"): layer}))
+        rows = [names[i // per] for i in range(adapters * per)]
+        self.hooks = {dt: store.bind(rows) for dt, store in stores.items()}
+        self.nbytes = {dt: store.nbytes for dt, store in stores.items()}
+        self.x = rng.standard_normal((len(rows), 1024)).astype(np.float32)
+        self.y = np.zeros((len(rows), 3584), np.float32)
+
+    def _run(self, dt):
+        apply_lora_rows(self.hooks[dt], 0, "up_proj", self.x, self.y, 1024, 3584)
+
+    def time_int8(self, scenario):
+        self._run("int8")
+
+    def track_int8_vs_float32(self, scenario):
+        return median_ratio(lambda: self._run("int8"), lambda: self._run("float32"))
+
+    track_int8_vs_float32.unit = "int8 / float32"
+
+    def track_bytes_int8_vs_float32(self, scenario):
+        return self.nbytes["int8"] / self.nbytes["float32"]
+
+    track_bytes_int8_vs_float32.unit = "int8 / float32"
