@@ -14,21 +14,17 @@ import pickle
 import numpy as np
 import pytest
 
-from lorahook import (AdapterSet, LoraAdapter, LoraLayer, _halfconv, apply_lora_embedding,
-                      apply_lora_rows, blend)
+from lorahook import (AdapterSet, LoraAdapter, LoraLayer, apply_lora_embedding, apply_lora_rows,
+                      blend)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KEY = (1, "q_proj")
 
 
-@pytest.fixture(params=["best", "portable"])
-def path(request):
-    """The vector code (AVX2 + FMA where the CPU has it) and plain C."""
-    old = _halfconv.set_path("portable") if request.param == "portable" else None
-    yield request.param
-    if old is not None:
-        _halfconv.set_path(old)
+# ``path``: the vector code (AVX2 + FMA where the CPU has it) and plain C, chosen with the
+# half-precision conversions' path (the portable one runs int8 factors in plain C)
+from test_half_rows import path  # noqa: E402,F401  (a fixture)
 
 
 def int8_layer(rng, rank, d_in, d_out, scale=0.5, bias=False):
