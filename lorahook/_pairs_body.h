@@ -21,15 +21,24 @@ typedef float VF __attribute__((vector_size(LH_P_W * 4)));
 typedef uint32_t VU __attribute__((vector_size(LH_P_W * 4)));
 typedef uint16_t VH __attribute__((vector_size(LH_P_W * 2)));
 typedef int8_t LH_P_NAME(lh_vb) __attribute__((vector_size(LH_P_W)));
+typedef int32_t LH_P_NAME(lh_vi) __attribute__((vector_size(LH_P_W * 4)));
 
 /* LH_P_W values of `kind` at p, as float32 */
 LH_P_INLINE void LH_P_NAME(lh_load)(const char *p, const int kind, VF *out) {
     if (kind == LH_P_F32) {
         memcpy(out, p, sizeof(VF));
     } else if (kind == LH_P_I8) {
+#if LH_P_ISA >= 2
+        __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        memcpy(out, &f, sizeof f);
+#elif LH_P_ISA == 1
+        __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+        memcpy(out, &f, sizeof f);
+#else
         LH_P_NAME(lh_vb) q;
         memcpy(&q, p, sizeof q);
-        *out = __builtin_convertvector(q, VF);
+        *out = __builtin_convertvector(__builtin_convertvector(q, LH_P_NAME(lh_vi)), VF);
+#endif
     } else if (kind == LH_P_BF16) {
         VH h;
         VU u;
