@@ -271,29 +271,20 @@ class LoraLayer:
         dt = weight_dtype(dtype)
         if dt == self._a.dtype:
             return self
-        arrays = list(float_factors(self))
+        arrays = list(float_factors(self))  # float32 (widened or dequantized), read-only
         qs = None
-        if dt == np.float32:  # new arrays of this layer's own (widened or dequantized)
-            for arr in arrays:
-                if arr is not None and arr.flags.writeable:
-                    arr.flags.writeable = False
-        elif dt == INT8:
+        if dt == INT8:
             (qa, sa), (qbt, sb) = quantized(arrays[0], 1), quantized(arrays[1], 0)
-            bias = arrays[2]
-            if bias is not None and bias.flags.writeable:
-                bias.flags.writeable = False
-            arrays, qs = [qa, qbt, bias], (sa, sb)
-        else:
+            arrays, qs = [qa, qbt, arrays[2]], (sa, sb)
+        elif dt != np.float32:
             arrays = [None if arr is None else rounded(arr, dt) for arr in arrays]
         dora = self._dora
         if dora is not None:  # the base terms stay; the kernel's factors are the converted ones
             g, c = dora[0], dora[1]
             layer = self._like(arrays[0], arrays[1], self._scale, arrays[2], None, qs)
-            a32, bt32, _ = float_factors(layer)
+            a32, bt32, _ = float_factors(layer)  # a32 is arrays[0] itself for float32
             gbt = np.ascontiguousarray(bt32 * g[None, :], dtype=np.float32)
-            for arr in (gbt, a32):  # a32 is arrays[0] itself for float32
-                if arr.flags.writeable:
-                    arr.flags.writeable = False
+            gbt.flags.writeable = False
             dora = (g, c, gbt, a32)
         return self._like(arrays[0], arrays[1], self._scale, arrays[2], dora, qs)
 
@@ -332,12 +323,18 @@ def float_factors(layer):
 
     The kept arrays themselves for a float32 layer; 16-bit ones widened
     (exact); int8 ones dequantized (``scale * q`` rounded once to float32).
+    Every array is read-only.
     """
     if layer._qs is not None:
-        return (dequantized(layer._a, layer._qs[0], 1), dequantized(layer._bt, layer._qs[1], 0),
-                layer._bias)
-    return tuple(None if arr is None else as_float32(arr)
-                 for arr in (layer._a, layer._bt, layer._bias))
+        out = (dequantized(layer._a, layer._qs[0], 1), dequantized(layer._bt, layer._qs[1], 0),
+               layer._bias)
+    else:
+        out = tuple(None if arr is None else as_float32(arr)
+                    for arr in (layer._a, layer._bt, layer._bias))
+    for arr in out:
+        if arr is not None and arr.flags.writeable:
+            arr.flags.writeable = False
+    return out
 
 
 def checked_layer(a, bt, scale, bias, embedding=False, magnitude=None):
