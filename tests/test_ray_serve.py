@@ -321,8 +321,9 @@ def test_shared_resolver_checks_and_pickles():
         shared_resolver("/tmp", name=3)
     with pytest.raises(ValueError, match=r"name \(the actor's name\) must be a non-empty str, got ''"):
         shared_resolver("/tmp", name="")
-    with pytest.raises(TypeError, match="dtype must be float32, float16 or bfloat16"):
+    with pytest.raises(TypeError, match="dtype must be float32, float16, bfloat16 or int8"):
         shared_resolver("/tmp", dtype="float64")
+    assert shared_resolver("/tmp", dtype="int8").dtype == np.int8
     with pytest.raises(ValueError, match=r"capacity_bytes must be >= 0 or None, got -1"):
         shared_resolver("/tmp", capacity_bytes=-1)
     shared = shared_resolver("/some/adapters", name="x", dtype=np.float16, capacity_bytes=1 << 20)
