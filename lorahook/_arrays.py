@@ -69,8 +69,7 @@ def quantized(values, axis):
     peak = np.abs(v).max(axis=axis) if v.shape[axis] else np.zeros(n)
     scale = (peak / 127.0).astype(np.float32)
     s64 = np.expand_dims(scale.astype(np.float64), axis)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(s64 > 0, np.rint(v / np.where(s64 > 0, s64, 1.0)), 0.0)
+    q = np.where(s64 > 0, np.rint(v / np.where(s64 > 0, s64, 1.0)), 0.0)
     q = np.ascontiguousarray(np.clip(q, -127, 127).astype(np.int8))
     for arr in (q, scale):
         arr.flags.writeable = False

@@ -190,7 +190,8 @@ cdef int _run_int8(const Segment *s, const char *X, char *Y, int d_in, int d_out
 
     float32 rows are read and written in place; 16-bit rows are widened into
     scratch and rounded back once.  Each step reads the factors once for its
-    rows (``_int8.h``).  Returns -1 without memory.
+    rows (``_int8.h``).  An int8 segment has no ``pre`` step (LayerKernel
+    takes one with float32 factors only).  Returns -1 without memory.
     """
     cdef Py_ssize_t n = s.n_rows, k, r
     cdef int rank = s.rank, c, j, owned = 0, hk = half_of(kind)
@@ -219,7 +220,6 @@ cdef int _run_int8(const Segment *s, const char *X, char *Y, int d_in, int d_out
                 widen_on(hp, <const uint16_t *>Y + r * d_out, D + j * d_out, d_out, hk)
                 xs[j] = G + j * d_in
                 ys[j] = D + j * d_out
-            seg_pre(s, ys[j], 0, d_out)
         lorahook_i8_down(simd, s.a8, s.a_scale, rank, d_in, xs, c, alphas, T)
         lorahook_i8_up(simd, s.b8, s.b_scale, rank, d_out, T, c, ys)
         for j in range(c):

@@ -231,9 +231,12 @@ def test_conversions_between_dtypes():
     np.testing.assert_array_equal(back.a, a64.astype(np.float32))
     np.testing.assert_array_equal(back.b, b64.astype(np.float32))
     assert back.a_scale is None and back.dtype == np.float32
-    # from 16 bits: quantized from the float32 values of the 16-bit ones
+    # from 16 bits: quantized from the exact float32 values of the 16-bit ones
     half = f32.astype(BF16)
-    np.testing.assert_array_equal(half.astype(np.int8).a, half.astype(np.float32).astype(np.int8).a)
+    from lora_refs import int8_values
+    q16 = half.astype(np.int8)
+    np.testing.assert_array_equal(factors64(q16)[0],
+                                  int8_values(half.a.astype(np.float64), 1))
     assert q.astype(BF16).dtype == BF16
     np.testing.assert_allclose(q.delta_weight(), 0.5 * b64 @ a64, rtol=1e-5, atol=1e-6)
 

@@ -65,3 +65,13 @@ def three(rng):
         (1, "down_proj"): rand_layer(rng, 0, 64, 32),
     }, name="three")
     return a1, a2, a3
+
+
+def int8_values(values, axis):
+    """Symmetric round-to-nearest int8 of ``values`` with a float32 scale per slice along
+    ``axis`` (the rule lorahook documents), dequantized in float64: the reference values
+    an int8 layer or slot holds, computed here in numpy alone."""
+    v = np.asarray(values, dtype=np.float32).astype(np.float64)
+    scale = (np.abs(v).max(axis=axis, keepdims=True) / 127.0).astype(np.float32).astype(np.float64)
+    safe = np.where(scale > 0, scale, 1.0)
+    return np.clip(np.rint(v / safe), -127, 127) * scale

@@ -45,14 +45,13 @@ def int8_copy(src, dst):
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    from lorahook._arrays import quantized
+    from lora_refs import int8_values
     os.makedirs(dst, exist_ok=True)
     shutil.copy(os.path.join(src, "adapter_config.json"), dst)
     tensors = load_file(os.path.join(src, "adapter_model.safetensors"))
     for name, t in tensors.items():
-        if name.endswith(("lora_A.weight", "lora_B.weight")):
-            q, scale = quantized(t.astype(np.float32), 1)
-            tensors[name] = (scale.astype(np.float64)[:, None] * q).astype(np.float32)
+        if name.endswith(("lora_A.weight", "lora_B.weight")):  # per row of A, per row of B
+            tensors[name] = int8_values(t, 1).astype(np.float32)
     save_file(tensors, os.path.join(dst, "adapter_model.safetensors"))
     return dst
 

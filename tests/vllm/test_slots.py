@@ -220,16 +220,13 @@ def test_unknown_layers_and_the_switch_keep_vllms_slots(monkeypatch, caplog):
 
 
 def _dequantized(adapter):
-    """An adapter's factors as the int8 table holds them (float64 of the dequantized values)."""
-    from lorahook._arrays import quantized
+    """An adapter's factors as an int8 table holds them (numpy's rounding, float64)."""
+    from lora_refs import int8_values
     a, b = adapter
-    qa = [None if t is None else torch.from_numpy(
-        (lambda q, s: s.astype(np.float64)[:, None] * q)(*quantized(t.float().numpy(), 1)))
-        for t in a]
-    qb = [None if t is None else torch.from_numpy(
-        (lambda q, s: (q * s.astype(np.float64)).T)(*quantized(t.float().numpy().T, 0)))
-        for t in b]
-    return qa, qb
+    return ([None if t is None else torch.from_numpy(int8_values(t.float().numpy(), 1))
+             for t in a],   # a scale per row of A
+            [None if t is None else torch.from_numpy(int8_values(t.float().numpy(), 1))
+             for t in b])   # and per output: per row of B
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
