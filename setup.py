@@ -49,6 +49,9 @@ extensions = [
         include_dirs=["lorahook", numpy.get_include()],
         define_macros=[
             ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+            # the oldest NumPy in pyproject's dependencies: a build against the newest NumPy
+            # still imports with it (NumPy's own default target moves as it drops Pythons)
+            ("NPY_TARGET_VERSION", "NPY_1_25_API_VERSION"),
             ("LORAHOOK_DEBUG_BUILD", "1" if debug else "0"),
         ],
         **extra,

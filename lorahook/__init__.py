@@ -1,5 +1,19 @@
 """lorahook: LoRA adapters applied inside CPU inference, row by row, in place."""
-from ._rows import DEBUG_BUILD
+try:
+    from ._rows import DEBUG_BUILD
+except ModuleNotFoundError as exc:
+    if not (exc.name or "").startswith(__name__ + "._"):
+        raise
+    # a checkout that was never compiled: say so instead of a bare missing module
+    import os as _os
+
+    raise ImportError(
+        f"lorahook's compiled core ({exc.name}) is not built: this imported the source tree at "
+        f"{_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))!r}, which holds the "
+        "Cython sources only.  Either install lorahook (`pip install .`, or "
+        "`pip install '.[test]'`) and run `pytest` or import it from another directory, or "
+        "build it in place (`pip install -e .`, or `python setup.py build_ext --inplace`)."
+    ) from exc
 from .adapter import LoraAdapter, SavedModule
 from .blend import blend
 from .layer import LoraLayer

@@ -191,3 +191,21 @@ def test_every_subpackage_is_listed_for_the_wheel():
     packages = {".".join(p.parent.relative_to(ROOT.parent).parts) for p in ROOT.rglob("__init__.py")}
     data_only = {p for p in tool["package-data"] if p not in packages}  # folders of data files
     assert packages == listed - data_only
+
+
+def test_an_uncompiled_source_tree_says_what_to_run(tmp_path):
+    # the package's Python and Cython sources alone, as a checkout has them before any build
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copytree(ROOT, tmp_path / "lorahook",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "*.c", "__pycache__"))
+    # -S: no site-packages, so no installed or editable lorahook can answer the import
+    run = subprocess.run([sys.executable, "-S", "-c", "import lorahook"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: lorahook's compiled core (lorahook._rows) is not built")
+    assert str(tmp_path) in last and "pip install" in last and "build_ext --inplace" in last
+    assert "ModuleNotFoundError" in run.stderr  # the cause is kept, chained

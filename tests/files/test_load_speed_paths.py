@@ -477,7 +477,11 @@ def test_aligned_floats():
         traced = tracemalloc.take_snapshot().filter_traces([numpy_domain]).traces
         assert any(t.size == 4 << 20 for t in traced)
         del arr
-        assert tracemalloc.get_traced_memory()[0] - before < 4 << 10
+        # the buffer's trace is gone and what is left is far below its size (NumPy itself may
+        # keep a few KiB of its own, as 1.25 does, on first use of a code path)
+        traced = tracemalloc.take_snapshot().filter_traces([numpy_domain]).traces
+        assert not any(t.size == 4 << 20 for t in traced)
+        assert tracemalloc.get_traced_memory()[0] - before < 64 << 10
     finally:
         tracemalloc.stop()
 
