@@ -8,6 +8,7 @@ submodule is imported is not an edge (``lorahook.models.base`` does not depend o
 """
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import pytest
 import lorahook
 
 ROOT = Path(lorahook.__file__).resolve().parent
+CHECKOUT = Path(__file__).resolve().parents[1]
+PYPROJECT = CHECKOUT / "pyproject.toml"
 
 
 def module_names():
@@ -182,11 +185,8 @@ def test_the_test_only_compiled_module_is_not_part_of_the_package():
 
 def test_every_subpackage_is_listed_for_the_wheel():
     """pyproject.toml lists packages by hand: a subpackage left out would be missing from the wheel."""
-    tomllib = pytest.importorskip("tomllib")
-    pyproject = ROOT.parent / "pyproject.toml"
-    if not pyproject.exists():  # an installed lorahook, away from its checkout
-        pytest.skip("no pyproject.toml beside the package")
-    tool = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
+    # the checkout's pyproject.toml (beside tests/), against the package imported (installed or not)
+    tool = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]
     listed = set(tool["packages"])
     packages = {".".join(p.parent.relative_to(ROOT.parent).parts) for p in ROOT.rglob("__init__.py")}
     data_only = {p for p in tool["package-data"] if p not in packages}  # folders of data files
@@ -209,3 +209,24 @@ def test_an_uncompiled_source_tree_says_what_to_run(tmp_path):
     assert last.startswith("ImportError: lorahook's compiled core (lorahook._rows) is not built")
     assert str(tmp_path) in last and "pip install" in last and "build_ext --inplace" in last
     assert "ModuleNotFoundError" in run.stderr  # the cause is kept, chained
+
+
+def test_the_pythons_claimed_are_the_pythons_ci_tests():
+    """requires-python, the classifiers, the wheels cibuildwheel builds and the Pythons .ci/run makes
+    venvs from name one list of CPython versions."""
+    project = tomllib.loads(PYPROJECT.read_text())
+    floor = re.fullmatch(r">=3\.(\d+)", project["project"]["requires-python"])
+    assert floor, project["project"]["requires-python"]
+    minors = sorted(int(m) for m in re.findall(r"Programming Language :: Python :: 3\.(\d+)$",
+                                                "\n".join(project["project"]["classifiers"]), re.M))
+    assert minors and minors[0] == int(floor.group(1))
+    assert minors == list(range(minors[0], minors[-1] + 1)), "no gap in the versions claimed"
+    wheels = sorted(int(m) for m in re.findall(r"cp3(\d+)-\*", project["tool"]["cibuildwheel"]["build"]))
+    assert wheels == minors
+    ci = (CHECKOUT / ".ci" / "run").read_text()
+    made = sorted({int(m) for m in re.findall(r"^PY3(\d+)=", ci, re.M)})
+    assert made == minors, f".ci/run makes venvs from 3.{made}, the classifiers claim 3.{minors}"
+    # the floors of NumPy and SciPy are the versions the oldest Python's pass pins
+    deps = dict(re.fullmatch(r"([a-z_]+)>=(\S+)", d).groups() for d in project["project"]["dependencies"])
+    for name in ("numpy", "scipy"):
+        assert f"'{name}=={deps[name]}.0'" in ci or f"'{name}=={deps[name]}'" in ci, name
