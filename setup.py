@@ -28,25 +28,27 @@ directives = {
 # loaded): in libdl before glibc 2.34
 LIBDL = {"libraries": ["dl"] if sys.platform.startswith("linux") else []}
 
-# The compiled modules, each named after what it computes (lorahook/_rows.pyx
-# says which does what); they share declarations through their .pxd files.
+# The compiled modules: the compiled face, lorahook._rows, and behind it the core
+# (lorahook/_core, each module named after what it holds: lorahook/_rows.pyx says which
+# holds what) and the loading kernels of the files package.  They share declarations
+# through their .pxd files and C headers.
 MODULES = {
-    "_checks": {},
-    "_halfconv": {},
-    "_segments": LIBDL,
-    "_kernels": {},
-    "_sources": {},
-    "_rows": {},
-    "_load": {},
-    "_slot_rows": {},
-    "_slot_pairs": LIBDL,
+    "lorahook._core.checks": {},
+    "lorahook._core.halfconv": {},
+    "lorahook._core.segments": LIBDL,
+    "lorahook._core.plans": {},
+    "lorahook._core.sources": {},
+    "lorahook._rows": {},
+    "lorahook.files._load": {},
+    "lorahook._core.slot_rows": {},
+    "lorahook._core.slot_pairs": LIBDL,
 }
 
 extensions = [
     Extension(
-        f"lorahook.{name}",
-        [f"lorahook/{name}.pyx"],
-        include_dirs=["lorahook", numpy.get_include()],
+        name,
+        [name.replace(".", "/") + ".pyx"],
+        include_dirs=["lorahook/_core", "lorahook/files", numpy.get_include()],
         define_macros=[
             ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
             # the oldest NumPy in pyproject's dependencies: a build against the newest NumPy

@@ -1,10 +1,10 @@
-"""Side-by-side comparison: lorahook vs numpy, PyTorch and PEFT (``lorahook.bench``, the harness behind ``lorahook bench``).
+"""Side-by-side comparison: lorahook vs numpy, PyTorch and PEFT (``lorahook.cli.bench``, the harness behind ``lorahook bench``).
 
     python benchmarks/compare.py [--quick]
 """
 import sys
 
-from lorahook.bench import main
+from lorahook.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

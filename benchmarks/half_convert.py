@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from lorahook import _halfconv
+from lorahook._core import halfconv as _halfconv
 
 # the compiled entry points the tests build (tests/support/testing_core.py)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
@@ -58,11 +58,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
 
-    info = _halfconv.paths()
+    info = _halfconv.isas()
     paths = info["supported"]
-    print(f"conversion paths on this CPU: {', '.join(paths)} (active at start: {info['active']})")
+    print(f"instruction sets on this CPU: {', '.join(paths)} (active at start: {info['active']})")
     rng = np.random.default_rng(0)
-    old = _halfconv.set_path("portable")
+    old = _halfconv.set_isa("portable")
     try:
         header = f"{'size':<18}{'conversion':<22}" + "".join(f"{p:>12}" for p in paths)
         header += "".join(f"{'portable/' + p:>18}" for p in paths[1:])
@@ -75,14 +75,14 @@ def main(argv=None):
                         ("narrow", f, np.empty(n, dtype=np.uint16))):
                     times = {}
                     for p in paths:
-                        _halfconv.set_path(p)
+                        _halfconv.set_isa(p)
                         times[p] = median_seconds(src, out, kind, args.repeats)
                     row = f"{label:<18}{direction + ' ' + kind:<22}"
                     row += "".join(f"{times[p] * 1e6:>10.2f}us" for p in paths)
                     row += "".join(f"{times['portable'] / times[p]:>17.1f}x" for p in paths[1:])
                     print(row)
     finally:
-        _halfconv.set_path(old)
+        _halfconv.set_isa(old)
 
 
 if __name__ == "__main__":

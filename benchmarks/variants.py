@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks.bench_rows import DoraRows  # noqa: E402
 
 from lorahook import threads  # noqa: E402
-from lorahook.bench import variants as bench_variants  # noqa: E402
+from lorahook.cli.bench import variants as bench_variants  # noqa: E402
 
 
 def dora_rows(repeats=31):

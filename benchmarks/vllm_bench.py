@@ -76,8 +76,8 @@ def ops(repeat=30, dtype="float32", threads=2):
     from threadpoolctl import threadpool_info, threadpool_limits
     from vllm.lora.ops.torch_ops import bgmv_expand_slice, bgmv_shrink
 
-    from lorahook._slot_rows import SlotRows, apply_slots
-    from lorahook._slot_pairs import SlotPairs, apply_pairs, openmp_team
+    from lorahook._core.slot_rows import SlotRows, apply_slots
+    from lorahook._core.slot_pairs import SlotPairs, apply_pairs, openmp_team
 
     torch.set_num_threads(threads)
     team = openmp_team(threads)

@@ -47,7 +47,7 @@ def random_adapter(config, rank, seed):
 
 def main():
     lorahook.threads.configure(blas_threads=1)  # a server setting: see the README's "Threads"
-    raw = json.loads(resources.files("lorahook").joinpath("data/qwen3_5_demo.json").read_text())
+    raw = json.loads(resources.files("lorahook.cli").joinpath("data/qwen3_5_demo.json").read_text())
     geometry = lorahook.Qwen35Config.from_dict(raw)
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**raw)).eval()

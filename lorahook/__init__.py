@@ -37,6 +37,17 @@ from .adapter_set import AdapterSet
 from .bound import BoundBatch, BoundSequences
 from . import threads
 
+# lorahook 0.2.0 kept SavedModule in lorahook.saved_module, and its pickles name
+# lorahook.saved_module._saved_from_pickle: that path goes on naming the module
+# that holds it now (an alias, not a module of its own).
+import sys as _sys
+
+from . import layer as _layer
+
+_sys.modules.setdefault(__name__ + ".saved_module", _layer)
+saved_module = _layer
+del _sys, _layer
+
 __version__ = "0.2.0"
 
 __all__ = [

@@ -10,25 +10,25 @@ Its public entry point is :func:`apply_lora_rows` (re-exported by
   bound batch's unit groups);
 * ``_kernels``: adapter layers as typed views, and plans of them over a batch;
 * ``_segments``: the GIL-free kernels, whose batched paths run the one
-  routine of ``_lora_gemm.pxd`` (gathered rows times ``A`` then ``B^T``) on
-  the row-major BLAS helpers of ``_blas.pxd``;
-* ``_halfconv``: float16 and bfloat16 conversions (with ``_halfconv.h``, the
+  routine of ``gemm_rows.pxd`` (gathered rows times ``A`` then ``B^T``) on
+  the row-major BLAS helpers of ``blas.pxd``;
+* ``_halfconv``: float16 and bfloat16 conversions (with ``halfconv.h``, the
   one rounding of each);
 * ``_slot_rows`` and ``_slot_pairs``: LoRA over the stacked slots serving
-  engines keep, through ``_lora_gemm.pxd`` or the pairs kernel of ``_pairs.h``;
+  engines keep, through ``gemm_rows.pxd`` or the pairs kernel of ``pairs.h``;
 * beside the core, ``_load`` (reading tensors from files for the loaders).
 """
 cimport cython
 cimport numpy as cnp
 from cpython.type cimport PyType_IsSubtype
 
-from lorahook._checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, as_int, as_width, check_call
-from lorahook._checks cimport check_layout, check_type, row_count
-from lorahook._sources cimport _ASK_HOOK, _KERNELS, _PER_ROW, KernelSource
+from lorahook._core.checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, as_int, as_width, check_call
+from lorahook._core.checks cimport check_layout, check_type, row_count
+from lorahook._core.sources cimport _ASK_HOOK, _KERNELS, _PER_ROW, KernelSource
 
 import numpy as np
 
-from lorahook._checks import check_rows
+from lorahook._core.checks import check_rows
 
 cnp.import_array()
 

@@ -1,4 +1,4 @@
-"""Native adapters: :class:`LoraAdapter` and :func:`blend` (layers are :mod:`lorahook.layer`).
+"""Native adapters: :class:`LoraAdapter` (its parts are in :mod:`lorahook.layer`, :func:`~lorahook.blend` in :mod:`lorahook.blend`).
 
 An adapter is immutable data validated once at construction, so that
 applying it never re-checks its insides: :func:`lorahook.apply_lora_rows`
@@ -11,22 +11,21 @@ from types import MappingProxyType
 
 import numpy as np
 
-from ._checks import check_rows
-from ._kernels import apply_layer
-from ._sources import DISPATCH_ASK_HOOK, DISPATCH_KERNELS, DISPATCH_PER_ROW, KernelTable
+from ._core.checks import check_rows
+from ._core.plans import apply_layer
+from ._core.sources import DISPATCH_ASK_HOOK, DISPATCH_KERNELS, DISPATCH_PER_ROW, KernelTable
 from .threads import look_ahead
 from ._values import is_int, key_order
 from .errors import LoraFormatError, LoraValidationError
 from .files import read_peft, read_safetensors_adapter, write_peft
 from .hook import LoraHook
 from .models import EMBEDDING_MODULES, BertConfig, ModelGeometry
-from ._arrays import finite_scale, weight_dtype
-from .layer import LoraLayer, arrays_of as layer_arrays, checked_layer, kernel_of as layer_kernel
+from ._values import finite_scale, weight_dtype
+from .layer import LoraLayer, SavedModule, arrays_of, checked_layer, kernel_of
 # what layers pickled by lorahook 0.1.0 name to rebuild themselves: a name pickles keep,
 # the one private name this module takes from another
 from .layer import _layer_from_pickle  # noqa: F401
 from .merge import merge_layers, refuse_variants
-from .saved_module import SavedModule, arrays_of as saved_arrays, kernel_of as saved_kernel
 
 __all__ = ["LoraLayer", "LoraAdapter", "SavedModule", "key_order"]
 
@@ -184,8 +183,8 @@ class LoraAdapter(KernelTable, LoraHook):
         look_ahead()  # the one-time BLAS look, at start-up (lorahook.threads)
         # the core's kernel table first (the keys is_active is true for, rank > 0):
         # it refuses a second fill, before this adapter's state is touched
-        table = {key: layer_kernel(layer) for key, layer in checked.items() if layer.rank > 0}
-        table.update((key, saved_kernel(module)) for key, module in saved.items())
+        table = {key: kernel_of(layer) for key, layer in checked.items() if layer.rank > 0}
+        table.update((key, kernel_of(module)) for key, module in saved.items())
         self._set_table(table, type(self)._core_dispatch)
         object.__setattr__(self, "_layers", checked)
         object.__setattr__(self, "_view", MappingProxyType(checked))
@@ -223,7 +222,7 @@ class LoraAdapter(KernelTable, LoraHook):
                 f"apply takes one row: x must have {layer.d_in} values and output "
                 f"{layer.d_out} for layer ({layer_idx}, {module!r}), got {n} rows "
                 f"(use apply_lora_rows for batches)")
-        apply_layer(layer_kernel(layer), x, output, 1)
+        apply_layer(kernel_of(layer), x, output, 1)
 
     # --- read-only properties ---------------------------------------------
 
@@ -299,9 +298,9 @@ class LoraAdapter(KernelTable, LoraHook):
     def _all_arrays(self):
         """Every array the adapter keeps (layers, DoRA terms, saved modules)."""
         for layer in self._layers.values():
-            yield from layer_arrays(layer)
+            yield from arrays_of(layer)
         for module in self._saved.values():
-            yield from saved_arrays(module)
+            yield from arrays_of(module)
 
     @property
     def nbytes(self):
@@ -578,12 +577,12 @@ class StoreEntry(NamedTuple):
 
 def store_entry(adapter):
     """The :class:`StoreEntry` of ``adapter``."""
-    scales = {layer_kernel(layer).scale for layer in adapter._layers.values() if layer.rank > 0}
-    scales.update(saved_kernel(module).scale for module in adapter._saved.values())
+    scales = {kernel_of(layer).scale for layer in adapter._layers.values() if layer.rank > 0}
+    scales.update(kernel_of(module).scale for module in adapter._saved.values())
     return StoreEntry(adapter, {id(arr): arr.nbytes for arr in adapter._all_arrays()},
                       tuple(sorted(scales)), adapter._row_exact)
 
 
 def kernel_dispatch(adapter):
-    """How the core runs ``adapter``'s kernels: a ``DISPATCH_*`` value of ``lorahook._sources``."""
+    """How the core runs ``adapter``'s kernels: a ``DISPATCH_*`` value of ``lorahook._core.sources``."""
     return type(adapter)._core_dispatch

@@ -23,8 +23,8 @@ from collections import OrderedDict
 from types import MappingProxyType
 
 from .threads import look_ahead
-from ._arrays import weight_dtype
-from ._capacity import checked_capacity, evict_to_fit, nbytes
+from ._values import weight_dtype
+from .resolver import checked_capacity, evict_to_fit, nbytes
 from .adapter import base_lookup, store_entry
 from .bound import bound_batch, bound_sequences, checked_names, group_units, refuse_unknown
 from .bound import unit_factors

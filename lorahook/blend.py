@@ -1,7 +1,7 @@
 """Adapters blended exactly into one: ``delta = sum(weight_i * delta_i)`` for every key."""
 import numpy as np
 
-from ._arrays import finite_scale
+from ._values import finite_scale
 from ._values import key_order
 from .adapter import LoraAdapter
 from .layer import LoraLayer, float_factors

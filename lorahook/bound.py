@@ -11,7 +11,7 @@ uses, the ascending ``int32`` indices of its rows and their scales are
 computed once.  A projection call then does a handful of dictionary lookups
 and one call into the compiled core, which -- with the GIL released -- runs
 one matrix-matrix product pair per adapter (or the per-row loop for groups
-smaller than :func:`lorahook._segments.get_gemm_crossover`, the same crossover a
+smaller than :func:`lorahook._core.segments.get_gemm_crossover`, the same crossover a
 single adapter uses), gathers rows that are not contiguous in the batch and
 scatter-adds the deltas back.  Rows without an adapter, or whose effective
 scale is zero, are never written: their output stays bit-identical.
@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from ._sources import UnitGroups
+from ._core.sources import UnitGroups
 from ._values import finite_real
 from .hook import LoraHook
 

@@ -8,12 +8,12 @@ compiled kernel a layer runs is built here, once.
 """
 import numpy as np
 
-from ._kernels import EMBEDDING, LORA, LayerKernel
-from ._arrays import (FLOAT32, INT8, WEIGHT_DTYPES, adoptable, as_float32, check_bias_shape,
+from ._core.plans import EMBEDDING, LORA, SAVED_EMBEDDING, SAVED_LINEAR, LayerKernel
+from ._values import (FLOAT32, INT8, WEIGHT_DTYPES, adoptable, as_float32, check_bias_shape,
                       check_factor_shapes, check_int8_scales, dequantized, dora_terms,
-                      finite_scale, owned_float32, quantized, rounded, weight_dtype)
+                      finite_scale, owned_float32, owned_vector, quantized, rounded, weight_dtype)
 
-__all__ = ["LoraLayer"]
+__all__ = ["LoraLayer", "SavedModule"]
 
 
 class LoraLayer:
@@ -22,7 +22,10 @@ class LoraLayer:
     ``a`` is ``(rank, d_in)``, ``b`` is ``(d_out, rank)`` (the PEFT layout of
     ``lora_A.weight`` / ``lora_B.weight``), ``bias`` an optional ``(d_out,)``
     vector (PEFT's ``lora_bias``, scaled like the product).  Each array is
-    copied once into a float32 array the layer owns, marked read-only.  ``B``
+    copied once into a float32 array the layer owns, marked read-only,
+    whatever its dtype: a layer in float16, bfloat16 or int8 is made from one
+    with :meth:`astype` (as the file reader does for a ``dtype=``), and keeps
+    its factors in that dtype (:attr:`dtype`).  ``B``
     is kept in one layout only, ``B^T`` row-major, which is what the kernels
     read: :attr:`b` is a read-only ``(d_out, rank)`` view of it (F-contiguous),
     so the layer holds each value once (:attr:`nbytes`).  Rank 0 (without
@@ -45,10 +48,10 @@ class LoraLayer:
     Parameters
     ----------
     a : array_like, shape (rank, d_in)
-        The down projection (``lora_A.weight``); float32, float16 or
-        bfloat16 values (16-bit factors are kept in 16 bits).
+        The down projection (``lora_A.weight``); any real dtype, copied to
+        float32 (:meth:`astype` keeps a layer in 16 bits or int8).
     b : array_like, shape (d_out, rank)
-        The up projection (``lora_B.weight``), of ``a``'s dtype.
+        The up projection (``lora_B.weight``), copied to float32 like ``a``.
     scale : float, default 1.0
         The factor on the product (PEFT's ``lora_alpha / r``); finite and
         representable in float32.
@@ -305,17 +308,18 @@ class LoraLayer:
                 f"scale={self._scale:g}{extra})")
 
 
-# What the rest of the package reads of a layer (adapter, adapter store), offered
-# here rather than read from the layer's private state.
+# What the rest of the package reads of an adapter's part, a layer or a saved module
+# (adapter, adapter store), offered here rather than read from its private state.
 
-def kernel_of(layer):
-    """The layer's compiled kernel (a ``lorahook._kernels.LayerKernel``)."""
-    return layer._kernel
+def kernel_of(part):
+    """The part's compiled kernel (a ``lorahook._core.plans.LayerKernel``)."""
+    return part._kernel
 
 
-def arrays_of(layer):
-    """Every array the layer keeps: its factors, its bias, int8 scales, DoRA's terms."""
-    return layer._arrays()
+def arrays_of(part):
+    """Every array the part keeps: a layer's factors, bias, int8 scales and DoRA's terms; a
+    saved module's weight and bias."""
+    return part._arrays()
 
 
 def float_factors(layer):
@@ -372,3 +376,88 @@ def _layer_from_pickle(a, bt, scale, bias, variant=None, qs=None):
         if isinstance(arr, np.ndarray) and arr.flags.writeable:
             arr.flags.writeable = False
     return LoraLayer._adopt(a, bt, scale, bias, *variant, qs=qs)
+
+
+# ----------------------------------------------------------------------------
+# saved modules: what an adapter saves whole (PEFT's modules_to_save)
+# ----------------------------------------------------------------------------
+class SavedModule:
+    """A module an adapter saved whole (PEFT's ``modules_to_save``): linear or embedding.
+
+    For the rows of its adapter it replaces the base module's output: a
+    linear gives ``weight @ x + bias`` (``weight`` ``(d_out, d_in)``, ``bias``
+    ``(d_out,)`` or ``None``), an embedding (``embedding=True``, ``weight``
+    ``(num_embeddings, embedding_dim)``) gives ``weight[id]``.  Arrays are
+    copied once into read-only float32 arrays (a linear keeps ``weight^T``,
+    the layout its kernel reads; :attr:`weight` is a view).  ``d_in`` /
+    ``d_out`` are ``(in_features, out_features)`` or ``(num_embeddings,
+    embedding_dim)``, checked against a model like a projection's.
+    """
+
+    __slots__ = ("_wt", "_bias", "_embedding", "_kernel")
+
+    def __init__(self, weight, bias=None, *, embedding=False):
+        embedding = bool(embedding)
+        wt = owned_float32(weight, "weight", 2, transpose=not embedding)
+        if min(wt.shape) < 1:
+            raise ValueError(f"weight must have both dimensions >= 1, got {np.shape(weight)}")
+        if bias is not None:
+            if embedding:
+                raise ValueError("a saved embedding has no bias")
+            bias = owned_vector(bias, "bias", wt.shape[1], "")
+        self._init(wt, bias, embedding)
+
+    def _init(self, wt, bias, embedding):
+        object.__setattr__(self, "_wt", wt)
+        object.__setattr__(self, "_bias", bias)
+        object.__setattr__(self, "_embedding", embedding)
+        kind = SAVED_EMBEDDING if embedding else SAVED_LINEAR
+        object.__setattr__(self, "_kernel",
+                           LayerKernel(None, wt, 1.0, kind=kind, pre_add=bias))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("SavedModule is immutable")
+
+    def __reduce__(self):
+        return (_saved_from_pickle, (self._wt, self._bias, self._embedding))
+
+    is_embedding = property(lambda self: self._embedding)
+    weight = property(lambda self: self._wt if self._embedding else self._wt.T,
+                      doc="``(d_out, d_in)`` (linear) or ``(num_embeddings, embedding_dim)``, read-only.")
+    bias = property(lambda self: self._bias, doc="``(d_out,)`` float32 or ``None``.")
+    d_in = property(lambda self: self._wt.shape[0])
+    d_out = property(lambda self: self._wt.shape[1])
+    dtype = property(lambda self: self._wt.dtype)
+    rank = property(lambda self: 0, doc="0: a saved module has no LoRA factors.")
+
+    @property
+    def num_parameters(self):
+        return self._wt.size + (0 if self._bias is None else self._bias.size)
+
+    def _arrays(self):
+        return (self._wt,) if self._bias is None else (self._wt, self._bias)
+
+    @property
+    def nbytes(self):
+        return sum(arr.nbytes for arr in self._arrays())
+
+    def __repr__(self):
+        what = "embedding" if self._embedding else "linear"
+        bias = ", bias" if self._bias is not None else ""
+        return f"SavedModule({what}, d_in={self.d_in}, d_out={self.d_out}{bias})"
+
+
+def _saved_from_pickle(wt, bias, embedding):
+    for arr in (wt, bias):
+        if isinstance(arr, np.ndarray) and arr.flags.writeable:
+            arr.flags.writeable = False
+    adoptable(wt, "weight", 2)
+    if bias is not None:
+        adoptable(bias, "bias", 1)
+        if bias.shape != (wt.shape[1],) or embedding:
+            raise ValueError("a saved module's bias must have d_out values (linear modules only)")
+    if min(wt.shape) < 1:
+        raise ValueError("a saved module's weight must have both dimensions >= 1")
+    out = SavedModule.__new__(SavedModule)
+    out._init(wt, bias, bool(embedding))
+    return out

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._values import key_order
 from .layer import float_factors
-from .saved_module import SavedModule
+from .layer import SavedModule
 
 __all__ = ["merge_layers", "refuse_variants"]
 

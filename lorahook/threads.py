@@ -47,7 +47,7 @@ import os
 import threading
 import warnings
 
-from ._segments import blas_library_path, get_gemm_crossover, set_first_batched
+from ._core.segments import blas_library_path, get_gemm_crossover, set_first_batched
 
 __all__ = ["configure", "info"]
 

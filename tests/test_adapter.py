@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from lorahook import apply_lora_rows, _segments, LoraAdapter, LoraLayer
+from lorahook import apply_lora_rows, LoraAdapter, LoraLayer
+from lorahook._core import segments as _segments
 
 
 def close(got, ref):

@@ -1,4 +1,4 @@
-"""lorahook._batch_queue: which pending calls form a batch, on their own (no batcher runs).
+"""lorahook.ray_serve._batch_queue: which pending calls form a batch, on their own (no batcher runs).
 
 The queue is driven through what the batcher uses of it (``put`` is left to
 tests/test_batching.py, which runs the worker): ``join`` picks the calls that
@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from lorahook._batch_queue import Call, Queue
+from lorahook.ray_serve._batch_queue import Call, Queue
 
 
 class Batcher:

@@ -18,8 +18,8 @@ import weakref
 
 import pytest
 
-from lorahook import _batching
-from lorahook._batching import batch
+from lorahook.ray_serve import _batching
+from lorahook.ray_serve._batching import batch
 
 # children run from this folder, so they import the installed lorahook, not the source tree
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -873,24 +873,53 @@ def _child(code):
 def test_import_lorahook_never_imports_ray():
     out = _child("""
         import sys
-        import lorahook, lorahook._batching
+        import lorahook, lorahook.ray_serve._batching
         print(sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.")))
     """)
     assert out.strip() == "[]"
 
 
-def test_ray_serve_without_ray_names_the_extra():
+def test_ray_serve_without_ray_batches_and_names_the_extra_for_the_rest():
+    # batch is plain asyncio: it imports and runs without ray; the names that need
+    # Ray Serve say what to install when they are first read
     out = _child("""
-        import sys
+        import asyncio, sys
         sys.modules["ray"] = None  # as if ray were not installed
+        import lorahook.ray_serve as rs
+
+        class M:
+            @rs.batch(max_batch_size=2, batch_wait_timeout_s=0)
+            async def f(self, names, items):
+                return [i * 2 for i in items]
+
+        async def main():
+            m = M()
+            return await asyncio.gather(m.f(None, 1), m.f("a", 2))
+        print(asyncio.run(main()))
+        for name in ("multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"):
+            try:
+                getattr(rs, name)
+            except ImportError as exc:
+                print(name, "ImportError", exc)
         try:
-            import lorahook.ray_serve
+            from lorahook.ray_serve import shared_resolver
         except ImportError as exc:
-            print(exc)
-        else:
-            print("imported")
+            print("from-import ImportError", exc)
+        print("ray" in sys.modules and sys.modules["ray"] is not None)
     """)
-    assert "pip install 'lorahook[ray]'" in out
+    lines = out.strip().splitlines()
+    assert lines[0] == "[2, 4]"
+    for name in ("multiplexed", "shared_resolver", "SharedResolver", "AdapterLease"):
+        assert any(l.startswith(f"{name} ImportError") and "pip install 'lorahook[ray]'" in l
+                   for l in lines), out
+    assert any(l.startswith("from-import ImportError") for l in lines), out
+    assert lines[-1] == "False"
+
+
+def test_ray_serve_names_no_attribute_it_does_not_have():
+    import lorahook.ray_serve as rs
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        rs.nothing_here
 
 
 def test_ray_serve_exports_batch():

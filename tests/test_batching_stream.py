@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from lorahook._batching import DONE, batch
+from lorahook.ray_serve._batching import DONE, batch
 
 
 def run(coro, timeout=20):

@@ -1,4 +1,4 @@
-"""The row-major BLAS shim (``_blas.pxd``) against numpy in float64, through the tests' compiled entry points (``tests/support/_testing.pyx``).
+"""The row-major BLAS shim (``blas.pxd``) against numpy in float64, through the tests' compiled entry points (``tests/support/_testing.pyx``).
 
 Every kernel product goes through these four helpers, so each is checked on
 its own: both transposition flags, contiguous rows and rows with a padded

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from lorahook import (BertConfig, LoraAdapter, LoraHook, LoraLayer, LoraValidationError,
-                      apply_lora_rows, _segments)
+from lorahook import (BertConfig, LoraAdapter, LoraHook, LoraLayer, LoraValidationError, apply_lora_rows)
+from lorahook._core import segments as _segments
 from lorahook import AdapterSet, BoundBatch
 
 D_IN, D_OUT = 24, 40

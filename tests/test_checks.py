@@ -1,8 +1,8 @@
-"""lorahook._checks: the buffer checks every call into the kernels passes, on their own."""
+"""lorahook._core.checks: the buffer checks every call into the kernels passes, on their own."""
 import numpy as np
 import pytest
 
-from lorahook._checks import check_rows
+from lorahook._core.checks import check_rows
 
 
 def rows(n, width, dtype=np.float32):

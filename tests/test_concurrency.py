@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lorahook import AdapterSet, LoraAdapter, LoraLayer, apply_lora_rows
-from lorahook import _segments
+from lorahook._core import segments as _segments
 
 KEY = (1, "o_proj")
 D_IN, D_OUT, RANK = 48, 40, 8

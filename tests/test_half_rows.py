@@ -14,7 +14,8 @@ import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-from lorahook import (AdapterSet, apply_lora_rows, _halfconv, LoraAdapter, LoraHook, LoraLayer)  # noqa: E402
+from lorahook import (AdapterSet, apply_lora_rows, LoraAdapter, LoraHook, LoraLayer)  # noqa: E402
+from lorahook._core import halfconv as _halfconv  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -25,10 +26,10 @@ D_IN, D_OUT = 48, 72
 
 @pytest.fixture(params=["best", "portable"])
 def path(request):
-    old = _halfconv.set_path("portable") if request.param == "portable" else None
+    old = _halfconv.set_isa("portable") if request.param == "portable" else None
     yield request.param
     if old is not None:
-        _halfconv.set_path(old)
+        _halfconv.set_isa(old)
 
 
 def _layer(rng, rank=8, scale=0.75, bias=False):
@@ -131,7 +132,7 @@ def test_other_dtypes_stay_refused():
 
 
 def test_fast_and_portable_paths_give_the_same_bits():
-    paths = _halfconv.paths()
+    paths = _halfconv.isas()
     rng = np.random.default_rng(4)
     adapter = LoraAdapter({KEY: _layer(rng, bias=True)})
     for dt in DTYPES:
@@ -139,13 +140,13 @@ def test_fast_and_portable_paths_give_the_same_bits():
         y0 = rng.standard_normal((64, D_OUT)).astype(dt)
         outs = []
         for name in ("portable", paths["active"]):
-            old = _halfconv.set_path(name)
+            old = _halfconv.set_isa(name)
             try:
                 y = y0.copy()
                 apply_lora_rows(adapter, *KEY, x, y, D_IN, D_OUT)
                 outs.append(y.view(np.uint16).copy())
             finally:
-                _halfconv.set_path(old)
+                _halfconv.set_isa(old)
         assert np.array_equal(outs[0], outs[1])
 
 

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import pytest
 
-from lorahook import _halfconv
+from lorahook._core import halfconv as _halfconv
 from testing_core import core as _testing
 
 try:
@@ -28,21 +28,21 @@ except ImportError:  # the comparisons with it are skipped
 
 needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes is not installed")
 
-PATHS = ("portable", "avx2", "avx512")
-SUPPORTED = _halfconv.paths()["supported"]
+PATHS = ("portable", "avx2", "avx512", "avx512bf16")  # the instruction-set targets (isa.h)
+SUPPORTED = _halfconv.isas()["supported"]
 KINDS = ("float16", "bfloat16")
 
 
 @pytest.fixture(params=PATHS)
 def path(request):
-    """Make one conversion path active for the test, and restore the previous one."""
+    """Make one instruction-set target active for the test, and restore the previous one."""
     name = request.param
     if name not in SUPPORTED:
-        need = _halfconv.paths()["needs"][name]
-        pytest.skip(f"the {name} path is not available (it needs x86-64 and {need})")
-    old = _halfconv.set_path(name)
+        need = _halfconv.isas()["needs"][name]
+        pytest.skip(f"the {name} instruction set is not available (it needs x86-64 and {need})")
+    old = _halfconv.set_isa(name)
     yield name
-    _halfconv.set_path(old)
+    _halfconv.set_isa(old)
 
 
 def bits32(values):
@@ -369,15 +369,15 @@ def test_every_path_gives_the_same_bits(kind):
     rng = np.random.default_rng(1605)
     u = np.concatenate([random_bits(rng, 1 << 18), bf16_ties(), f16_ties()])
     h = rng.integers(0, 1 << 16, size=1 << 18, dtype=np.uint32).astype(np.uint16)
-    old = _halfconv.set_path("portable")
+    old = _halfconv.set_isa("portable")
     try:
         results = {}
         for name in SUPPORTED:
-            _halfconv.set_path(name)
+            _halfconv.set_isa(name)
             results[name] = (_halfconv.narrow(floats(u), kind).tobytes(),
                              _halfconv.widen(h, kind).tobytes())
     finally:
-        _halfconv.set_path(old)
+        _halfconv.set_isa(old)
     first = results["portable"]
     for name, res in results.items():
         assert res == first, name
@@ -472,17 +472,17 @@ def test_threads_converting_while_the_path_changes():
             errors.append(exc)
 
     threads = [threading.Thread(target=work) for _ in range(3)]
-    old = _halfconv.set_path("portable")
+    old = _halfconv.set_isa("portable")
     try:
         for t in threads:
             t.start()
         for i in range(200):
-            _halfconv.set_path(SUPPORTED[i % len(SUPPORTED)])
+            _halfconv.set_isa(SUPPORTED[i % len(SUPPORTED)])
     finally:
         stop.set()
         for t in threads:
             t.join()
-        _halfconv.set_path(old)
+        _halfconv.set_isa(old)
     assert errors == []
 
 
@@ -511,7 +511,7 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="'float16' or 'bfloat16'"):
         _halfconv.widen(h, np.float16)
     with pytest.raises(ValueError, match="one of"):
-        _halfconv.set_path("sse")
+        _halfconv.set_isa("sse")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -537,83 +537,108 @@ def test_repeat_loop_converts_like_the_array_functions(path, kind):
 
 
 def test_paths_report():
-    info = _halfconv.paths()
+    info = _halfconv.isas()
     assert info["supported"][0] == "portable"
     assert set(info["supported"]) <= set(PATHS)
     assert info["active"] in info["supported"] and info["best"] == info["supported"][-1]
     assert set(info["needs"]) == set(PATHS)
-    assert isinstance(info["env_portable"], bool)
+    assert info["env"] is None or info["env"] in info["supported"]
 
 
 def test_unsupported_path_is_refused_and_changes_nothing():
     missing = [p for p in PATHS if p not in SUPPORTED]
     if not missing:
-        pytest.skip("every path is available here")
-    before = _halfconv.paths()["active"]
+        pytest.skip("every instruction set is available here")
+    before = _halfconv.isas()["active"]
     with pytest.raises(ValueError, match="not available"):
-        _halfconv.set_path(missing[0])
-    assert _halfconv.paths()["active"] == before
+        _halfconv.set_isa(missing[0])
+    assert _halfconv.isas()["active"] == before
 
 
-def test_set_portable_switches_and_returns_the_old_state():
-    old = _halfconv.set_path("portable")
+def test_set_isa_returns_the_old_target_and_none_is_the_best():
+    old = _halfconv.set_isa("portable")
     try:
-        assert _halfconv.set_portable(False) is True
-        assert _halfconv.paths()["active"] == _halfconv.paths()["best"]
-        assert _halfconv.set_portable(True) is (_halfconv.paths()["best"] == "portable")
-        assert _halfconv.paths()["active"] == "portable"
+        assert _halfconv.set_isa(None) == "portable"
+        assert _halfconv.isas()["active"] == _halfconv.isas()["best"]
+        assert _halfconv.set_isa("portable") == _halfconv.isas()["best"]
+        assert _halfconv.isas()["active"] == "portable"
     finally:
-        _halfconv.set_path(old)
+        _halfconv.set_isa(old)
 
 
-@pytest.mark.parametrize("value, portable", [(None, False), ("", False), ("0", False),
-                                             (" 1 ", True), ("1", True)])
-def test_environment_values(value, portable, recwarn):
-    assert _halfconv.portable_from_env(value) is portable
+@pytest.mark.parametrize("value, old, isa", [(None, None, None), ("", None, None),
+                                             (" portable ", None, "portable"),
+                                             ("portable", "0", "portable"),
+                                             (None, "0", None), ("", "", None),
+                                             (None, " 1 ", "portable"), ("", "1", "portable")])
+def test_environment_values(value, old, isa, recwarn):
+    assert _halfconv.isa_from_env(value, old) == isa
     assert len(recwarn) == 0
 
 
-@pytest.mark.parametrize("value", ["yes", "true", "2", "portable"])
+def test_every_target_this_cpu_runs_is_a_valid_environment_value(recwarn):
+    for name in SUPPORTED:
+        assert _halfconv.isa_from_env(name) == name
+    assert len(recwarn) == 0
+
+
+@pytest.mark.parametrize("value", ["yes", "AVX2", "sse", "1"])
 def test_invalid_environment_value_warns_and_keeps_the_default(value):
-    with pytest.warns(RuntimeWarning, match=r"LORAHOOK_HALF_PORTABLE=.*default.*=0"):
-        assert _halfconv.portable_from_env(value) is False
+    with pytest.warns(RuntimeWarning, match=r"LORAHOOK_ISA=.*is not one of.*default"):
+        assert _halfconv.isa_from_env(value) is None
 
 
-def _child(env_value, code):
-    env = dict(os.environ)
-    env.pop("LORAHOOK_HALF_PORTABLE", None)
-    if env_value is not None:
-        env["LORAHOOK_HALF_PORTABLE"] = env_value
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+def test_a_target_this_cpu_lacks_warns_and_keeps_the_default():
+    missing = [p for p in PATHS if p not in SUPPORTED]
+    if not missing:
+        pytest.skip("every instruction set is available here")
+    with pytest.warns(RuntimeWarning, match=r"LORAHOOK_ISA=.*not available on this CPU.*default"):
+        assert _halfconv.isa_from_env(missing[0]) is None
+
+
+@pytest.mark.parametrize("old", ["yes", "2", "portable"])
+def test_invalid_older_variable_warns_and_keeps_the_default(old):
+    with pytest.warns(RuntimeWarning, match=r"LORAHOOK_HALF_PORTABLE=.*default"):
+        assert _halfconv.isa_from_env(None, old) is None
+
+
+def _child(env, code):
+    full = dict(os.environ)
+    full.pop("LORAHOOK_ISA", None)
+    full.pop("LORAHOOK_HALF_PORTABLE", None)
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
                           text=True, timeout=120, cwd=os.path.dirname(__file__))
 
 
-_REPORT = ("import sys, lorahook, lorahook._halfconv as r; p = r.paths(); "
-           "print(p['active'], p['best'], p['env_portable'], 'ml_dtypes' in sys.modules)")
+# the target every compiled module reads: halfconv's, the pairs kernel's and the int8 kernel's
+_REPORT = ("import sys, lorahook, lorahook._core.halfconv as r; p = r.isas(); "
+           "print(p['active'], p['best'], p['env'], 'ml_dtypes' in sys.modules)")
 
 
-def test_environment_variable_forces_the_portable_path_at_import():
-    out = _child("1", _REPORT)
+@pytest.mark.parametrize("env", [{"LORAHOOK_ISA": "portable"}, {"LORAHOOK_HALF_PORTABLE": "1"}])
+def test_the_environment_chooses_the_target_at_import(env):
+    out = _child(env, _REPORT)
     assert out.returncode == 0, out.stderr
-    active, best, env_portable, ml = out.stdout.split()
-    assert (active, env_portable, ml) == ("portable", "True", "False")
-    assert "LORAHOOK_HALF_PORTABLE" not in out.stderr
+    active, best, chosen, ml = out.stdout.split()
+    assert (active, chosen, ml) == ("portable", "portable", "False")
+    assert "Warning" not in out.stderr
 
 
 def test_environment_variable_invalid_value_is_a_warning_not_an_error():
-    out = _child("fast", _REPORT)
+    out = _child({"LORAHOOK_ISA": "fast"}, _REPORT)
     assert out.returncode == 0, out.stderr
-    active, best, env_portable, ml = out.stdout.split()
-    assert (active, env_portable, ml) == (best, "False", "False")
-    assert "RuntimeWarning" in out.stderr and "LORAHOOK_HALF_PORTABLE='fast'" in out.stderr
+    active, best, chosen, ml = out.stdout.split()
+    assert (active, chosen, ml) == (best, "None", "False")
+    assert "RuntimeWarning" in out.stderr and "LORAHOOK_ISA='fast'" in out.stderr
     assert "default" in out.stderr
 
 
-def test_without_the_variable_the_fastest_path_is_used():
-    out = _child(None, _REPORT)
+def test_without_the_variable_the_best_target_is_used():
+    out = _child({}, _REPORT)
     assert out.returncode == 0, out.stderr
-    active, best, env_portable, ml = out.stdout.split()
-    assert (active, env_portable, ml) == (best, "False", "False")
+    active, best, chosen, ml = out.stdout.split()
+    assert (active, chosen, ml) == (best, "None", "False")
 
 
 # ---------------------------------------------------------------------------
@@ -625,14 +650,14 @@ def test_without_the_variable_the_fastest_path_is_used():
 @pytest.mark.parametrize("kind", KINDS)
 def test_narrow_every_float32(kind):
     chunk = 1 << 24
-    old = _halfconv.set_path("portable")
+    old = _halfconv.set_isa("portable")
     try:
         for start in range(0, 1 << 32, chunk):
             u = np.arange(start, start + chunk, dtype=np.uint64).astype(np.uint32)
-            _halfconv.set_path("portable")
+            _halfconv.set_isa("portable")
             ref = check_narrow(u, kind)
             for name in SUPPORTED[1:]:
-                _halfconv.set_path(name)
+                _halfconv.set_isa(name)
                 assert np.array_equal(_halfconv.narrow(floats(u), kind), ref), (name, hex(start))
     finally:
-        _halfconv.set_path(old)
+        _halfconv.set_isa(old)

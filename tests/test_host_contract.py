@@ -8,7 +8,8 @@ import pickle
 import numpy as np
 import pytest
 
-from lorahook import AdapterSet, apply_lora_rows, _kernels, LoraAdapter, LoraLayer
+from lorahook import AdapterSet, apply_lora_rows, LoraAdapter, LoraLayer
+from lorahook._core import plans as _kernels
 from testing_core import core as _testing
 
 

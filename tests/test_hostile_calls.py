@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lorahook import LoraAdapter, LoraHook, LoraLayer, NoopLoraHook, apply_lora_rows
-from lorahook import _kernels, _segments
+from lorahook._core import plans as _kernels, segments as _segments
 from testing_core import core as _testing
 
 D_IN, D_OUT, RANK, N = 6, 5, 3, 4
@@ -482,7 +482,8 @@ def test_huge_row_count_with_empty_buffers_does_not_crash():
     """A row count whose product with the width wraps must be refused (in a child, in case it crashes)."""
     code = textwrap.dedent("""
         import numpy as np
-        from lorahook import _kernels, LoraLayer
+        from lorahook import LoraLayer
+        from lorahook._core import plans as _kernels
         from testing_core import core as _testing
         k = LoraLayer(np.ones((2, 4), np.float32), np.ones((4, 2), np.float32))._kernel
         e = np.zeros(0, np.float32)
@@ -562,7 +563,7 @@ def test_apply_groups_is_safe_against_callbacks_that_change_its_arguments():
     code = textwrap.dedent("""
         import gc
         import numpy as np
-        from lorahook import _kernels, _segments
+        from lorahook._core import plans as _kernels, segments as _segments
         from testing_core import core as _testing
         x = np.ones((4, 8), np.float32)
         k = _kernels.LayerKernel(np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), 1.0)

@@ -28,8 +28,8 @@ def module_names():
         if parts[-1] == "__init__":
             parts = parts[:-1]
         names[".".join(parts)] = path
-    for path in ROOT.glob("*.pyx"):
-        names[f"lorahook.{path.stem}"] = path
+    for path in ROOT.rglob("*.pyx"):
+        names[".".join(path.relative_to(ROOT.parent).with_suffix("").parts)] = path
     return names
 
 
@@ -79,7 +79,7 @@ def _cython_imports_of(name, path, known):
             continue
         if m.group(4):
             targets = [m.group(4)]
-        else:  # "from lorahook cimport _blas" cimports a .pxd of its own, not the package
+        else:  # "from lorahook._core cimport blas as _blas" cimports a .pxd of its own, not the package
             targets = [f"{m.group(1)}.{n.strip()}" for n in m.group(3).split(",")]
             if not (m.group(2) and m.group(1) == "lorahook"):
                 targets.append(m.group(1))
@@ -151,19 +151,19 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_the_compiled_core_is_layered():
     g = graph()
-    core = {"lorahook._checks", "lorahook._halfconv", "lorahook._segments", "lorahook._kernels",
-            "lorahook._sources", "lorahook._rows", "lorahook._slot_rows", "lorahook._slot_pairs"}
+    core = {"lorahook._core.checks", "lorahook._core.halfconv", "lorahook._core.segments", "lorahook._core.plans",
+            "lorahook._core.sources", "lorahook._rows", "lorahook._core.slot_rows", "lorahook._core.slot_pairs"}
     # edges that must be there, so that an unread .pyx cannot pass: hooks reach kernel
     # sources, sources reach layer kernels, layer kernels the segment kernels
-    assert {"lorahook._checks", "lorahook._sources"} <= g["lorahook._rows"]
-    assert "lorahook._kernels" in g["lorahook._sources"]
-    assert {"lorahook._checks", "lorahook._segments"} <= g["lorahook._kernels"]
-    assert {"lorahook._checks", "lorahook._halfconv"} <= g["lorahook._segments"]
-    assert "lorahook._slot_rows" in g["lorahook._slot_pairs"]
-    assert "lorahook._halfconv" in g["lorahook._load"]
+    assert {"lorahook._core.checks", "lorahook._core.sources"} <= g["lorahook._rows"]
+    assert "lorahook._core.plans" in g["lorahook._core.sources"]
+    assert {"lorahook._core.checks", "lorahook._core.segments"} <= g["lorahook._core.plans"]
+    assert {"lorahook._core.checks", "lorahook._core.halfconv"} <= g["lorahook._core.segments"]
+    assert "lorahook._core.slot_rows" in g["lorahook._core.slot_pairs"]
+    assert "lorahook._core.halfconv" in g["lorahook.files._load"]
     for name in core:
         # the core knows kernels and buffers: not files, not test entry points
-        assert not g[name] & {"lorahook._load", "lorahook._testing"}, name
+        assert not g[name] & {"lorahook.files._load", "lorahook._testing"}, name
         assert all(t.startswith("lorahook._") for t in g[name]), (name, g[name])
     for name, targets in g.items():
         if name != "lorahook._testing":

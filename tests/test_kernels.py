@@ -1,4 +1,4 @@
-"""lorahook._kernels: LayerKernel and GroupPlan on their own, against float64 numpy.
+"""lorahook._core.plans: LayerKernel and GroupPlan on their own, against float64 numpy.
 
 Both paths of the segment kernels run (the row loop below the crossover, the
 batched routine at or above it), for float32 and 16-bit weights.
@@ -6,9 +6,9 @@ batched routine at or above it), for float32 and 16-bit weights.
 import numpy as np
 import pytest
 
-from lorahook import _segments
-from lorahook._halfconv import narrow
-from lorahook._kernels import LORA, GroupPlan, LayerKernel, apply_layer
+from lorahook._core import segments as _segments
+from lorahook._core.halfconv import narrow
+from lorahook._core.plans import LORA, GroupPlan, LayerKernel, apply_layer
 
 
 @pytest.fixture(params=["row_loop", "batched"])

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from lorahook import LoraLayer
-from lorahook._kernels import EMBEDDING, LORA, LayerKernel, apply_layer
+from lorahook._core.plans import EMBEDDING, LORA, LayerKernel, apply_layer
 from lorahook.layer import arrays_of, checked_layer, kernel_of
 
 

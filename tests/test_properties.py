@@ -15,7 +15,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from lorahook import AdapterSet, LoraAdapter, LoraHook, LoraLayer, apply_lora_rows
-from lorahook import _segments
+from lorahook._core import segments as _segments
 from testing_core import core as _testing
 
 MODULE = "q_proj"

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from lorahook import SavedModule
-from lorahook._kernels import SAVED_EMBEDDING, SAVED_LINEAR, LayerKernel, apply_layer
-from lorahook.saved_module import arrays_of, kernel_of
+from lorahook._core.plans import SAVED_EMBEDDING, SAVED_LINEAR, LayerKernel, apply_layer
+from lorahook.layer import arrays_of, kernel_of
 
 
 def test_a_saved_linear_replaces_the_rows_with_its_own_output():

@@ -1,4 +1,4 @@
-"""lorahook._slot_pairs.apply_pairs: stacked LoRA pairs in the rows' dtype, on one thread or a team.
+"""lorahook._core.slot_pairs.apply_pairs: stacked LoRA pairs in the rows' dtype, on one thread or a team.
 
 Against numpy in float64, in every dtype and every build of the kernel this
 CPU runs; bit-identical at one, two and three threads and from run to run;
@@ -14,8 +14,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lorahook._slot_rows import SlotRows
-from lorahook._slot_pairs import SlotPairs, apply_pairs, openmp_team, pairs_build, pairs_builds
+from lorahook._core.slot_rows import SlotRows
+from lorahook._core.halfconv import set_isa, supported_isas
+from lorahook._core.slot_pairs import SlotPairs, apply_pairs, openmp_team
 
 RNG = np.random.default_rng(20261205)
 KINDS = [None, "float16", "bfloat16"]
@@ -40,11 +41,12 @@ def _team(n):
     return team
 
 
-@pytest.fixture(params=pairs_builds())
+@pytest.fixture(params=supported_isas())
 def build(request):
-    old = pairs_build(request.param)
+    # the kernel's build is the process's instruction-set target's
+    old = set_isa(request.param)
     yield request.param
-    pairs_build(old)
+    set_isa(old)
 
 
 def _cast(arr, half):
@@ -202,8 +204,8 @@ def test_refusals_name_what_was_wrong():
         SlotPairs(a + [np.zeros((3, 4, 10), np.float16)], bt * 2, r * 2, half="float16")
     with pytest.raises(ValueError, match="n_threads must be in"):
         openmp_team(0)
-    with pytest.raises(ValueError, match="build must be one of"):
-        pairs_build("sse9")
+    with pytest.raises(ValueError, match="instruction set must be one of"):
+        set_isa("sse9")
     with pytest.raises(TypeError, match="does not pickle"):
         import pickle
         pickle.dumps(pairs)
@@ -223,8 +225,8 @@ def test_no_thread_and_no_runtime_unless_asked(tmp_path):
         import scipy.linalg.cython_blas
         before = threads()
         import lorahook
-        from lorahook._slot_rows import SlotRows
-        from lorahook._slot_pairs import SlotPairs, apply_pairs, openmp_team
+        from lorahook._core.slot_rows import SlotRows
+        from lorahook._core.slot_pairs import SlotPairs, apply_pairs, openmp_team
         p = SlotPairs([np.ones((2, 3, 8), np.float32)], [np.ones((2, 3, 4), np.float32)],
                       [np.full(2, 3, np.int32)])
         y = np.zeros((4, 4), np.float32)
@@ -247,7 +249,7 @@ def test_no_thread_and_no_runtime_unless_asked(tmp_path):
 def test_tensors_are_read_in_place_as_arrays_are(half, add):
     """apply_pairs_tensors on torch tensors: apply_pairs' bits, float64's values, in place."""
     torch = pytest.importorskip("torch")
-    from lorahook._slot_pairs import apply_pairs_tensors
+    from lorahook._core.slot_pairs import apply_pairs_tensors
     dtype = {None: torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[half]
     outs = [33, 16, 5]
     pairs, ref, slots, x, x64, y, y64 = _problem(half, 9, 37, outs)
@@ -269,7 +271,7 @@ def test_tensors_are_read_in_place_as_arrays_are(half, add):
 
 def test_tensors_of_another_layout_are_left_to_the_caller():
     torch = pytest.importorskip("torch")
-    from lorahook._slot_pairs import apply_pairs_tensors
+    from lorahook._core.slot_pairs import apply_pairs_tensors
     pairs = SlotPairs([np.ones((2, 3, 8), np.float32)], [np.ones((2, 3, 6), np.float32)],
                       [np.full(2, 3, np.int32)])
     g = SlotRows(np.array([0, 1, -1, 0]), 2)
@@ -405,7 +407,7 @@ def test_per_slot_refusals_name_what_was_wrong():
 
 def _int8_per_slot(half, stacked, ref):
     """``stacked``'s adapters in int8 per-slot pairs, and the dequantized float64 factors."""
-    from lorahook._arrays import quantized
+    from lorahook._values import quantized
     a64, bt64, ranks = ref
     outs = [b.shape[2] for b in bt64]
     pairs = SlotPairs.per_slot(stacked.n_slots, stacked.d_in, outs,

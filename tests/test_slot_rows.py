@@ -1,11 +1,11 @@
-"""lorahook._slot_rows: LoRA over stacked slot factors, against numpy in float64."""
+"""lorahook._core.slot_rows: LoRA over stacked slot factors, against numpy in float64."""
 import threading
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from lorahook._slot_rows import SlotRows, apply_slots
+from lorahook._core.slot_rows import SlotRows, apply_slots
 
 RNG = np.random.default_rng(20261204)
 

@@ -8,7 +8,8 @@ numpy.
 import numpy as np
 import pytest
 
-from lorahook import AdapterSet, LoraAdapter, LoraLayer, _sources, apply_lora_rows
+from lorahook import AdapterSet, LoraAdapter, LoraLayer, apply_lora_rows
+from lorahook._core import sources as _sources
 
 
 def _layer(rng, d_in, d_out, rank=4, scale=0.5):

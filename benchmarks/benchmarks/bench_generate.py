@@ -1,4 +1,4 @@
-"""Mixed-adapter ``generate`` (see :mod:`lorahook.bench.generate`): base, PEFT, lorahook.
+"""Mixed-adapter ``generate`` (see :mod:`lorahook.cli.bench.generate`): base, PEFT, lorahook.
 
 ``GenerateRatios`` times lorahook and a peer (PEFT's ``adapter_names``, or the
 base model without adapters) in alternation in one benchmark and tracks the
@@ -8,7 +8,7 @@ sequence selections.
 """
 import tempfile
 
-from . import module_setup, preimport
+from . import first_module, module_setup, preimport
 
 # every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
 setup = module_setup(__name__)
@@ -27,7 +27,7 @@ class _Generate:
         try:
             import torch
             from lorahook import threads
-            from lorahook.bench import generate as bench_generate
+            bench_generate = first_module("lorahook.cli.bench.generate", "lorahook.bench.generate")
         except ImportError:
             raise NotImplementedError
         if quant is not None and not hasattr(bench_generate, "QUANTIZED"):

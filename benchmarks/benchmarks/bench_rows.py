@@ -17,23 +17,19 @@ import lorahook
 from lorahook import LoraAdapter, LoraLayer, NoopLoraHook, Qwen35Config, apply_lora_rows
 from lorahook import threads as lh_threads
 
-from . import module_setup
+from . import first_module, module_setup
 
 # every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
 setup = module_setup(__name__)
 
 
 def qwen35_0_8b():
-    """Qwen3.5-0.8B's config (``lorahook.bench.rows``), imported when a benchmark runs.
+    """Qwen3.5-0.8B's config (``lorahook.cli.bench.rows``), imported when a benchmark runs.
 
     Imported at setup, not with the module, so that asv discovers the suite on
-    commits older than ``lorahook.bench`` (their benchmarks that need it skip).
+    commits older than ``lorahook.cli.bench`` (their benchmarks that need it skip).
     """
-    try:
-        from lorahook.bench.rows import QWEN35_0_8B
-    except ImportError:
-        raise NotImplementedError
-    return QWEN35_0_8B
+    return first_module("lorahook.cli.bench.rows", "lorahook.bench.rows").QWEN35_0_8B
 
 
 def _layer(rng, d_in, d_out, rank):
@@ -217,9 +213,9 @@ class BindPerStep:
     timeout = 300
 
     def setup(self, mode):
-        try:
-            from lorahook.bench.rows import bind_cost_setup
-        except ImportError:  # a version older than lorahook.bench.rows or than the function
+        rows = first_module("lorahook.cli.bench.rows", "lorahook.bench.rows")
+        bind_cost_setup = getattr(rows, "bind_cost_setup", None)
+        if bind_cost_setup is None:  # a version older than the function
             raise NotImplementedError
         _configure()
         self.adapters, self.names, self.one_pass = bind_cost_setup(np.random.default_rng(0))
@@ -244,10 +240,9 @@ class HalfPrecision:
     param_names = ["rows_shape", "dtype"]
 
     def setup(self, rows_shape, dtype):
-        try:
-            from lorahook import _halfconv, _rows
-        except ImportError:  # a version without half precision
-            raise NotImplementedError
+        # a version without half precision has neither (asv: skipped)
+        _halfconv = first_module("lorahook._core.halfconv", "lorahook._halfconv")
+        from lorahook import _rows
         # the bfloat16 entry point without ml_dtypes (named _apply_lora_bits before 0.3)
         apply_bits = getattr(_rows, "apply_lora_bits", getattr(_rows, "_apply_lora_bits", None))
         if apply_bits is None:

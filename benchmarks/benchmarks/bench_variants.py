@@ -1,4 +1,4 @@
-"""Adapters beyond plain LoRA against PEFT (see :mod:`lorahook.bench.variants`).
+"""Adapters beyond plain LoRA against PEFT (see :mod:`lorahook.cli.bench.variants`).
 
 ``DoraGenerate``: a DoRA adapter, a plain one and the base in one ``generate``
 (lorahook) against PEFT, which runs one ``generate`` per sequence (it cannot
@@ -8,7 +8,7 @@ without torch, transformers or peft, or on lorahook versions without them.
 """
 import tempfile
 
-from . import module_setup, preimport
+from . import first_module, module_setup, preimport
 
 # every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
 setup = module_setup(__name__)
@@ -25,7 +25,7 @@ class _Scenario:
         try:
             import torch
             from lorahook import threads
-            from lorahook.bench import variants
+            variants = first_module("lorahook.cli.bench.variants", "lorahook.bench.variants")
         except ImportError:
             raise NotImplementedError
         threads.configure(blas_threads=1)

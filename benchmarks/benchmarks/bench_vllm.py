@@ -36,9 +36,15 @@ SHAPES = {
 def _slot_kernels():
     """(SlotRows, SlotPairs, apply_pairs, openmp_team) from whichever module this version has."""
     try:
-        from lorahook._slot_pairs import SlotPairs, apply_pairs, openmp_team
-        from lorahook._slot_rows import SlotRows
+        from lorahook._core.slot_pairs import SlotPairs, apply_pairs, openmp_team
+        from lorahook._core.slot_rows import SlotRows
     except ImportError:
+        try:  # versions before lorahook._core
+            from lorahook._slot_pairs import SlotPairs, apply_pairs, openmp_team
+            from lorahook._slot_rows import SlotRows
+            return SlotRows, SlotPairs, apply_pairs, openmp_team
+        except ImportError:
+            pass
         try:  # versions before the compiled core was split by what it computes
             from lorahook._stacked import SlotPairs, SlotRows, apply_pairs, openmp_team
         except ImportError:

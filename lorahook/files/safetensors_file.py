@@ -32,7 +32,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .._load import aligned_floats, read_plan
+from ._load import aligned_floats, read_plan
 
 from .._values import short
 from ..errors import LoraFormatError

@@ -13,10 +13,10 @@ What the wrapper does differently from vLLM's CPU wrapper, whose methods it
 overrides one for one: vLLM's CPU ops copy every token's ``A`` and ``B`` out
 of the stacked slot weights before an ``einsum``.  This wrapper groups the
 step's rows by slot once, in :meth:`~PunicaWrapperLorahook.update_metadata`
-(:class:`lorahook._slot_rows.SlotRows`), and every linear projection (and the
-logits) then runs :func:`lorahook._slot_pairs.apply_pairs` on vLLM's own
+(:class:`lorahook._core.slot_rows.SlotRows`), and every linear projection (and the
+logits) then runs :func:`lorahook._core.slot_pairs.apply_pairs` on vLLM's own
 tensors, with the GIL released -- a projection's rows read where they lie
-(:func:`~lorahook._slot_pairs.apply_pairs_tensors`: no NumPy view is made, which
+(:func:`~lorahook._core.slot_pairs.apply_pairs_tensors`: no NumPy view is made, which
 on a decode step's few rows cost more than the kernel):
 
 * **in the model's dtype**: ``A`` is read in place; ``B`` transposed (an
@@ -50,7 +50,7 @@ vLLM's own op if a graph ever traces it.
 
 The few calls that kernel does not take (a shrink or expand on its own,
 embeddings, classifier heads, mixed dtypes) run
-:func:`lorahook._slot_rows.apply_slots`.  Rows without an adapter are never
+:func:`lorahook._core.slot_rows.apply_slots`.  Rows without an adapter are never
 written.  Anything else (a tensor on another device, a dtype lorahook does not
 serve) goes to vLLM's own op for that call.  ``LORAHOOK_VLLM_PROFILE=FILE``
 makes each worker write where its LoRA time goes (per projection kind, and the

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-from lorahook._slot_rows import SlotRows, apply_slots
-from lorahook._slot_pairs import apply_pairs, apply_pairs_tensors, openmp_team
+from lorahook._core.slot_rows import SlotRows, apply_slots
+from lorahook._core.slot_pairs import apply_pairs, apply_pairs_tensors, openmp_team
 from lorahook.vllm.custom_op import pack_call, slices_of, wrappers
 from lorahook.vllm.profile import Profile, clock
 from lorahook.vllm.slots import SlotTable, table_of
@@ -62,10 +62,10 @@ class PunicaWrapperLorahook(PunicaWrapperCPU):
     The slot grouping of the step's tokens (and of its sampled rows, for the
     logits) is built once per :meth:`update_metadata`; each linear projection
     and the logits then run the pairs kernel
-    (:func:`lorahook._slot_pairs.apply_pairs_tensors`) on a layer's slot table
+    (:func:`lorahook._core.slot_pairs.apply_pairs_tensors`) on a layer's slot table
     or on vLLM's stacked slots, and the calls it does not take (a shrink or an
     expand alone, embeddings, classifier heads) run
-    :func:`lorahook._slot_rows.apply_slots`.  Results equal vLLM's CPU ops to
+    :func:`lorahook._core.slot_rows.apply_slots`.  Results equal vLLM's CPU ops to
     float32 rounding (a row's result does not depend on the other slots' rows;
     16-bit outputs are rounded once).
     """

@@ -8,7 +8,7 @@ a slot when it activates it, beside the copy its CPU cache
 With the plugin active, a layer lorahook serves gets no such storage: when
 vLLM creates the layer's LoRA weights, it gets *placeholders* -- tensors of
 the shapes vLLM expects, whose every element is one zero (no memory) -- and a
-:class:`SlotTable` (a :class:`~lorahook._slot_pairs.SlotPairs` made by
+:class:`SlotTable` (a :class:`~lorahook._core.slot_pairs.SlotPairs` made by
 ``per_slot``).  When vLLM sets a slot, its own ``set_lora`` runs against
 recorders standing in for the stacked tensors, so vLLM's packing and slicing
 rules stay vLLM's; the table then refers to the adapter's tensors in vLLM's
@@ -43,8 +43,8 @@ import weakref
 
 import torch
 
-from lorahook._arrays import quantized
-from lorahook._slot_pairs import SlotPairs, apply_pairs_tensors
+from lorahook._values import quantized
+from lorahook._core.slot_pairs import SlotPairs, apply_pairs_tensors
 from lorahook.vllm.tensors import HALF, array_of
 
 logger = logging.getLogger("vllm.lorahook")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lorahook._slot_pairs import SlotPairs
+from lorahook._core.slot_pairs import SlotPairs
 from lorahook.vllm.tensors import HALF, Fallback, array_of
 
 __all__ = ["Stacked", "Pairs"]

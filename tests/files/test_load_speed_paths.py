@@ -128,7 +128,7 @@ def test_one_buffer_per_load_holding_exactly_nbytes(tmp_path, dtype):
     assert len(owners) == 1, "every array a loaded adapter keeps is a view of one buffer"
     owner = arrays[0].base
     # the buffer holds memory of its own, on a cache-line boundary
-    from lorahook import _load
+    from lorahook.files import _load
     assert type(owner.base) is _load._AlignedBlock and owner.dtype == np.float32
     assert owner.ctypes.data % 64 == 0
     # the buffer holds the kept arrays and nothing else, without overlaps
@@ -388,7 +388,7 @@ def _plan_row(**changes):
     dict(offset=2**63 - 5, kind=1),
 ])
 def test_read_plan_refuses_what_would_write_outside_the_buffer(tmp_path, changes):
-    from lorahook import _load
+    from lorahook.files import _load
     f = tmp_path / "data.bin"
     f.write_bytes(np.arange(64, dtype="<f4").tobytes())
     buffer = np.full(8, -1.0, dtype=np.float32)
@@ -399,7 +399,7 @@ def test_read_plan_refuses_what_would_write_outside_the_buffer(tmp_path, changes
 
 
 def test_read_plan_limits_and_shapes_are_checked(tmp_path):
-    from lorahook import _load
+    from lorahook.files import _load
     f = tmp_path / "data.bin"
     f.write_bytes(np.arange(64, dtype="<f4").tobytes())
     buffer = np.zeros(8, dtype=np.float32)
@@ -436,7 +436,7 @@ def test_read_plan_limits_and_shapes_are_checked(tmp_path):
 def test_read_plan_transposes_at_any_alignment(tmp_path, start, rows, cols, kind):
     # start 0 and 16 with rows a multiple of 16: whole aligned lines, stored past the cache;
     # a file row of more than 64 bytes (17 float32 columns, 33 half ones) grows the bounce buffer
-    from lorahook import _load
+    from lorahook.files import _load
     values = np.random.default_rng(rows * cols + kind).standard_normal((rows, cols)).astype(np.float32)
     if kind == 0:
         raw, want = values.astype("<f4").tobytes(), values
@@ -458,7 +458,7 @@ def test_read_plan_transposes_at_any_alignment(tmp_path, start, rows, cols, kind
 
 
 def test_aligned_floats():
-    from lorahook import _load
+    from lorahook.files import _load
     for n, hugepages in ((0, False), (1, True), (1000, False), (2**21, True)):
         arr = _load.aligned_floats(n, hugepages)
         assert arr.shape == (n,) and arr.dtype == np.float32 and arr.flags.writeable

@@ -231,7 +231,7 @@ def test_a_4bit_base_weight_is_what_bitsandbytes_dequantizes(tmp_path):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path / "base", device_map="cpu", quantization_config=transformers.BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
-    from lorahook.torch_modules import base_of as _base_of
+    from lorahook.torch.modules import base_of as _base_of
     mods = (model.model.layers[0].self_attn.q_proj, model.model.layers[0].mlp.down_proj)
     want = [bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).numpy() for m in mods]
     for mod, w4 in zip(mods, want):

@@ -4,16 +4,16 @@
 Built by ``testing_core.py`` against the lorahook under test; nothing in the package calls these; they expose kernels and conversions in
 shapes a test or a timing loop needs (a list of groups applied at once, a
 conversion repeated without a Python call per pass, the state of the vector
-registers after a conversion, the row-major BLAS helpers of ``_blas.pxd``
+registers after a conversion, the row-major BLAS helpers of ``blas.pxd``
 called on numpy arrays).
 """
 cimport numpy as cnp
 from libc.stdint cimport uint16_t
 
-from lorahook cimport _blas
-from lorahook._checks cimport check_buffers
-from lorahook._halfconv cimport half_array, half_kind, narrow_n, widen_n
-from lorahook._kernels cimport GroupPlan
+from lorahook._core cimport blas as _blas
+from lorahook._core.checks cimport check_buffers
+from lorahook._core.halfconv cimport half_array, half_kind, narrow_n, widen_n
+from lorahook._core.plans cimport GroupPlan
 
 import numpy as np
 
@@ -22,7 +22,7 @@ cnp.import_array()
 ctypedef void (*widen_fn)(const uint16_t *, float *, size_t, int) noexcept nogil
 ctypedef void (*narrow_fn)(const float *, uint16_t *, size_t, int) noexcept nogil
 
-cdef extern from "_halfconv.h":
+cdef extern from "halfconv.h":
     pass
 
 cdef extern from *:
@@ -51,7 +51,7 @@ cdef extern from *:
        narrow and a widen of n values through the given functions. */
     static int lorahook_upper_after(lorahook_narrow_fn narrow, lorahook_widen_fn widen,
                                     const float *f, uint16_t *h, float *w, size_t n, int kind) {
-        if (lorahook_half_supported() == (1 << LORAHOOK_HALF_PORTABLE))
+        if (lh_isa_supported() == (1 << LH_ISA_PORTABLE))
             return -1;
         lorahook_clear_upper();
         if (lorahook_xinuse_upper() != 0)
@@ -76,7 +76,7 @@ def apply_groups(list groups not None, input, output, Py_ssize_t n_rows,
                  Py_ssize_t d_in, Py_ssize_t d_out):
     """Apply several layers, each to its own rows of one batch.
 
-    ``groups`` is the list :class:`lorahook._kernels.GroupPlan` takes.  The
+    ``groups`` is the list :class:`lorahook._core.plans.GroupPlan` takes.  The
     same as ``GroupPlan(groups, n_rows, d_in, d_out).apply(input, output)``,
     with the buffers checked first.
     """

@@ -23,6 +23,8 @@ import lorahook
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "_testing.pyx")
 PACKAGE = os.path.dirname(os.path.abspath(lorahook.__file__))
+CORE = os.path.join(PACKAGE, "_core")       # the core's .pxd files and headers
+FILES = os.path.join(PACKAGE, "files")      # the loading kernels'
 
 
 def _key():
@@ -32,10 +34,11 @@ def _key():
         h.update(f.read())
     h.update(sys.version.encode())
     h.update(PACKAGE.encode())
-    for name in sorted(os.listdir(PACKAGE)):
-        if name.endswith((".so", ".pyd", ".pxd", ".h")):
-            st = os.stat(os.path.join(PACKAGE, name))
-            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for folder in (PACKAGE, CORE, FILES):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith((".so", ".pyd", ".pxd", ".h")):
+                st = os.stat(os.path.join(folder, name))
+                h.update(f"{folder}/{name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
@@ -45,9 +48,9 @@ def _build(out_dir):
     from setuptools import Distribution, Extension
     from setuptools.command.build_ext import build_ext
 
-    ext = Extension("_testing", [SOURCE], include_dirs=[PACKAGE, numpy.get_include()],
+    ext = Extension("_testing", [SOURCE], include_dirs=[CORE, FILES, numpy.get_include()],
                     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
-    # cimport lorahook._checks and friends from the installed package's .pxd files
+    # cimport lorahook._core.checks and friends from the installed package's .pxd files
     modules = cythonize([ext], include_path=[os.path.dirname(PACKAGE)], quiet=True,
                         build_dir=os.path.join(out_dir, "c"),
                         compiler_directives={"language_level": 3})

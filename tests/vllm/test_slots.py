@@ -18,8 +18,8 @@ need("vllm", "LORAHOOK_REQUIRE_VLLM")
 import torch  # noqa: E402
 
 from lorahook.vllm import slots  # noqa: E402
-from lorahook._slot_rows import SlotRows  # noqa: E402
-from lorahook._slot_pairs import apply_pairs_tensors  # noqa: E402
+from lorahook._core.slot_rows import SlotRows  # noqa: E402
+from lorahook._core.slot_pairs import apply_pairs_tensors  # noqa: E402
 
 D_IN, OUTS = 24, (40, 16)
 
