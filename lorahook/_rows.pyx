@@ -32,12 +32,7 @@ from lorahook._core.checks import check_rows
 
 cnp.import_array()
 
-cdef extern from *:
-    """
-    #ifndef LORAHOOK_DEBUG_BUILD
-    #define LORAHOOK_DEBUG_BUILD 0
-    #endif
-    """
+cdef extern from "build.h":
     int LORAHOOK_DEBUG_BUILD
 
 #: True when the extension was built with bounds checking (LORAHOOK_CYTHON_DEBUG=1).

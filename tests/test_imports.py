@@ -230,3 +230,21 @@ def test_the_pythons_claimed_are_the_pythons_ci_tests():
     deps = dict(re.fullmatch(r"([a-z_]+)>=(\S+)", d).groups() for d in project["project"]["dependencies"])
     for name in ("numpy", "scipy"):
         assert f"'{name}=={deps[name]}.0'" in ci or f"'{name}=={deps[name]}'" in ci, name
+
+
+def test_the_compiled_core_writes_its_c_in_headers():
+    # C lives in the .h files beside the Cython that declares it, never in a Cython string
+    for path in sorted(ROOT.rglob("*.pyx")) + sorted(ROOT.rglob("*.pxd")):
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r'cdef extern from \*:\s*"""', text), path
+
+
+def test_every_compiled_module_reads_the_one_instruction_set_target():
+    # each module whose kernels convert or dispatch attaches to halfconv's target at import
+    for name in ("segments", "slot_rows", "slot_pairs"):
+        assert "lh_isa_attach(isa_cell())" in (ROOT / "_core" / f"{name}.pyx").read_text()
+    assert "lh_isa_attach(isa_cell())" in (ROOT / "files" / "_load.pyx").read_text()
+    for header in ROOT.rglob("*.h"):
+        text = header.read_text(encoding="utf-8")
+        if header.name != "isa.h":
+            assert "__builtin_cpu_supports" not in text, f"{header.name} detects the CPU itself"

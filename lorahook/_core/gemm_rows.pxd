@@ -20,7 +20,7 @@ from lorahook._core.checks cimport ROWS_BF16, ROWS_F16, ROWS_F32
 from lorahook._core.halfconv cimport LORAHOOK_HALF_BF16, LORAHOOK_HALF_F16, narrow_h, widen_h
 
 cdef extern from "scratch.h" nogil:
-    float *lorahook_scratch_slot(size_t n, int area, int *owned) noexcept
+    float *lorahook_scratch_area(size_t n, int area, int *owned) noexcept
     size_t LORAHOOK_SCRATCH_CACHE_FLOATS
     enum:
         LH_SCRATCH_WIDENED
@@ -30,17 +30,8 @@ cdef extern from "scratch.h" nogil:
         LH_BLOCK_FLOATS
         LH_BLOCK_MIN_COLS
 
-cdef extern from *:
-    """
-    /* DoRA's step before the delta, y = m * y + c, over n values: the arrays
-       never overlap (restrict), so the compiler vectorizes the loop. */
-    static void lorahook_affine(float *restrict y, const float *restrict m,
-                                const float *restrict c, size_t n) {
-        size_t i;
-        for (i = 0; i < n; i++) y[i] = m[i] * y[i] + c[i];
-    }
-    """
-    void lorahook_affine(float *y, const float *m, const float *c, size_t n) noexcept nogil
+cdef extern from "affine.h" nogil:
+    void lorahook_affine(float *y, const float *m, const float *c, size_t n) noexcept
 
 
 # What a segment's factors are held in (Segment.wkind), besides a halfconv.h
@@ -117,8 +108,8 @@ cdef inline void seg_pre(const Segment *s, float *y, Py_ssize_t o0, Py_ssize_t n
             memset(y, 0, n * sizeof(float))
 
 
-cdef inline float seg_down(const Segment *s, Py_ssize_t k, int c, const float *X, int ldx,
-                           int d_in, float *T, const float **tp, int *ldt) noexcept nogil:
+cdef inline float seg_shrink(const Segment *s, Py_ssize_t k, int c, const float *X, int ldx,
+                             int d_in, float *T, const float **tp, int *ldt) noexcept nogil:
     """``T = X A^T`` for the ``c`` rows of ``X`` (the segment's rows ``k..k+c``).
 
     ``tp`` / ``ldt`` receive the product's rows and row stride: ``T``, or
@@ -198,7 +189,7 @@ cdef inline int gemm_rows(const Segment *s, const char *X, Py_ssize_t ldx, int x
             block = LH_BLOCK_MIN_COLS
         if block > d_out:
             block = d_out
-    cdef float *G = lorahook_scratch_slot(<size_t>(chunk * (per_row + block)), LH_SCRATCH_PRODUCTS,
+    cdef float *G = lorahook_scratch_area(<size_t>(chunk * (per_row + block)), LH_SCRATCH_PRODUCTS,
                                           &owned)
     if G == NULL:
         return -1
@@ -226,7 +217,7 @@ cdef inline int gemm_rows(const Segment *s, const char *X, Py_ssize_t ldx, int x
                 else:
                     widen_h(<const uint16_t *>X + r * ldx, G + j * d_in, <size_t>d_in, hx)
             xp, lx = G, d_in
-        alpha = seg_down(s, k, q, xp, lx, d_in, T, &tp, &lt)
+        alpha = seg_shrink(s, k, q, xp, lx, d_in, T, &tp, &lt)
         if yk == ROWS_F32 and consecutive:
             # straight into a run of float32 output rows, each transformed first
             # (transforming blocks in cache between smaller products measured slower:

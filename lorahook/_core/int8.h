@@ -1,14 +1,14 @@
-/* Adapter factors held in int8: the two products of a LoRA delta, widened in registers.
+/* Adapter factors held in int8: the two products of a LoRA delta (shrink: A x, expand: B t), widened in registers.
  *
  * A layer held in int8 keeps A as int8 (rank, d_in) with one float32 scale per
  * row (sa), and B^T as int8 (rank, d_out) with one float32 scale per output
  * (sb): A[q, k] = sa[q] * a8[q, k], B[o, q] = sb[o] * bt8[q, o].  For up to
  * LH_I8_ROWS rows at a time:
  *
- *   void lorahook_i8_down(const int8_t *a8, const float *sa, int rank, int d_in,
+ *   void lorahook_i8_shrink(const int8_t *a8, const float *sa, int rank, int d_in,
  *                         const float *const *x, int nx, const float *alpha, float *t);
  *       t[j * rank + q] = alpha[j] * sa[q] * sum_k a8[q, k] * x[j][k]
- *   void lorahook_i8_up(const int8_t *bt8, const float *sb, int rank, int d_out,
+ *   void lorahook_i8_expand(const int8_t *bt8, const float *sb, int rank, int d_out,
  *                       const float *t, int nx, float *const *y);
  *       y[j][o] += sb[o] * sum_q bt8[q, o] * t[j * rank + q]
  *
@@ -40,13 +40,13 @@
 
 /* Rows a call takes at most: their factors' values are converted once for all of them. */
 #define LH_I8_ROWS 4
-/* Outputs summed at once by the plain-C up product (a block of accumulators). */
+/* Outputs summed at once by the plain-C expand product (a block of accumulators). */
 #define LH_I8_BLOCK 64
 
 /* ------------------------------------------------------------------ */
 /* plain C                                                             */
 
-LORAHOOK_I8_FN void lorahook_i8_down_c(const int8_t *a8, const float *sa, int rank, int d_in,
+LORAHOOK_I8_FN void lorahook_i8_shrink_c(const int8_t *a8, const float *sa, int rank, int d_in,
                                        const float *const *x, int nx, const float *alpha,
                                        float *t) {
     int q, j, k;
@@ -62,7 +62,7 @@ LORAHOOK_I8_FN void lorahook_i8_down_c(const int8_t *a8, const float *sa, int ra
     }
 }
 
-LORAHOOK_I8_FN void lorahook_i8_up_c(const int8_t *bt8, const float *sb, int rank, int d_out,
+LORAHOOK_I8_FN void lorahook_i8_expand_c(const int8_t *bt8, const float *sb, int rank, int d_out,
                                      const float *t, int nx, float *const *y) {
     float acc[LH_I8_BLOCK];
     int o0, o, q, j, nb;
@@ -100,11 +100,11 @@ LH_I8_TARGET static inline float lorahook_i8_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The down product for NX rows and QB rows of A at once, U vectors of each
+/* The shrink product for NX rows and QB rows of A at once, U vectors of each
    row a step: QB * NX * U independent sums keep the FMA units busy.  NX, QB
    and U are constants in each caller, so the loops over them unroll. */
 LH_I8_TARGET static inline __attribute__((always_inline))
-void lorahook_i8_down_block(const int8_t *a8, const float *sa, int q0, int d_in,
+void lorahook_i8_shrink_block(const int8_t *a8, const float *sa, int q0, int d_in,
                             const float *const *x, const int NX, const int QB, const int U,
                             const float *alpha, int rank, float *t) {
     __m256 acc[4][LH_I8_ROWS][2];
@@ -150,32 +150,32 @@ void lorahook_i8_down_block(const int8_t *a8, const float *sa, int q0, int d_in,
 
 /* every row of A for NX rows: QB rows of A a step, then one at a time */
 LH_I8_TARGET static inline __attribute__((always_inline))
-void lorahook_i8_down_nx(const int8_t *a8, const float *sa, int rank, int d_in,
+void lorahook_i8_shrink_nx(const int8_t *a8, const float *sa, int rank, int d_in,
                          const float *const *x, const int NX, const float *alpha, float *t) {
     const int QB = NX <= 2 ? 4 : 2, U = NX == 1 ? 2 : 1;
     int q = 0;
     for (; q + QB <= rank; q += QB)
-        lorahook_i8_down_block(a8, sa, q, d_in, x, NX, QB, U, alpha, rank, t);
+        lorahook_i8_shrink_block(a8, sa, q, d_in, x, NX, QB, U, alpha, rank, t);
     for (; q < rank; q++)
-        lorahook_i8_down_block(a8, sa, q, d_in, x, NX, 1, 2, alpha, rank, t);
+        lorahook_i8_shrink_block(a8, sa, q, d_in, x, NX, 1, 2, alpha, rank, t);
 }
 
-LH_I8_TARGET LORAHOOK_I8_FN void lorahook_i8_down_avx2(const int8_t *a8, const float *sa, int rank,
+LH_I8_TARGET LORAHOOK_I8_FN void lorahook_i8_shrink_avx2(const int8_t *a8, const float *sa, int rank,
                                                        int d_in, const float *const *x, int nx,
                                                        const float *alpha, float *t) {
     switch (nx) {
-    case 1: lorahook_i8_down_nx(a8, sa, rank, d_in, x, 1, alpha, t); break;
-    case 2: lorahook_i8_down_nx(a8, sa, rank, d_in, x, 2, alpha, t); break;
-    case 3: lorahook_i8_down_nx(a8, sa, rank, d_in, x, 3, alpha, t); break;
-    default: lorahook_i8_down_nx(a8, sa, rank, d_in, x, 4, alpha, t); break;
+    case 1: lorahook_i8_shrink_nx(a8, sa, rank, d_in, x, 1, alpha, t); break;
+    case 2: lorahook_i8_shrink_nx(a8, sa, rank, d_in, x, 2, alpha, t); break;
+    case 3: lorahook_i8_shrink_nx(a8, sa, rank, d_in, x, 3, alpha, t); break;
+    default: lorahook_i8_shrink_nx(a8, sa, rank, d_in, x, 4, alpha, t); break;
     }
     _mm256_zeroupper();
 }
 
-/* The up product for NX rows on OB vectors of outputs (8 * OB outputs from o):
+/* The expand product for NX rows on OB vectors of outputs (8 * OB outputs from o):
    OB * NX independent sums over the rank. */
 LH_I8_TARGET static inline __attribute__((always_inline))
-void lorahook_i8_up_block(const int8_t *bt8, const float *sb, int rank, int d_out, int o,
+void lorahook_i8_expand_block(const int8_t *bt8, const float *sb, int rank, int d_out, int o,
                           const float *t, const int NX, const int OB, float *const *y) {
     __m256 acc[8][LH_I8_ROWS];
     int v, q, j;
@@ -203,14 +203,14 @@ void lorahook_i8_up_block(const int8_t *bt8, const float *sb, int rank, int d_ou
 }
 
 LH_I8_TARGET static inline __attribute__((always_inline))
-void lorahook_i8_up_nx(const int8_t *bt8, const float *sb, int rank, int d_out, const float *t,
+void lorahook_i8_expand_nx(const int8_t *bt8, const float *sb, int rank, int d_out, const float *t,
                        const int NX, float *const *y) {
     const int OB = NX == 1 ? 8 : NX == 2 ? 4 : 2;
     int o = 0, q, j;
     for (; o + 8 * OB <= d_out; o += 8 * OB)
-        lorahook_i8_up_block(bt8, sb, rank, d_out, o, t, NX, OB, y);
+        lorahook_i8_expand_block(bt8, sb, rank, d_out, o, t, NX, OB, y);
     for (; o + 8 <= d_out; o += 8)
-        lorahook_i8_up_block(bt8, sb, rank, d_out, o, t, NX, 1, y);
+        lorahook_i8_expand_block(bt8, sb, rank, d_out, o, t, NX, 1, y);
     for (; o < d_out; o++) {  /* the last outputs, one at a time */
         for (j = 0; j < NX; j++) {
             float acc = 0.0f;
@@ -221,14 +221,14 @@ void lorahook_i8_up_nx(const int8_t *bt8, const float *sb, int rank, int d_out, 
     }
 }
 
-LH_I8_TARGET LORAHOOK_I8_FN void lorahook_i8_up_avx2(const int8_t *bt8, const float *sb, int rank,
+LH_I8_TARGET LORAHOOK_I8_FN void lorahook_i8_expand_avx2(const int8_t *bt8, const float *sb, int rank,
                                                      int d_out, const float *t, int nx,
                                                      float *const *y) {
     switch (nx) {
-    case 1: lorahook_i8_up_nx(bt8, sb, rank, d_out, t, 1, y); break;
-    case 2: lorahook_i8_up_nx(bt8, sb, rank, d_out, t, 2, y); break;
-    case 3: lorahook_i8_up_nx(bt8, sb, rank, d_out, t, 3, y); break;
-    default: lorahook_i8_up_nx(bt8, sb, rank, d_out, t, 4, y); break;
+    case 1: lorahook_i8_expand_nx(bt8, sb, rank, d_out, t, 1, y); break;
+    case 2: lorahook_i8_expand_nx(bt8, sb, rank, d_out, t, 2, y); break;
+    case 3: lorahook_i8_expand_nx(bt8, sb, rank, d_out, t, 3, y); break;
+    default: lorahook_i8_expand_nx(bt8, sb, rank, d_out, t, 4, y); break;
     }
     _mm256_zeroupper();
 }
@@ -238,27 +238,27 @@ LH_I8_TARGET LORAHOOK_I8_FN void lorahook_i8_up_avx2(const int8_t *bt8, const fl
 /* ------------------------------------------------------------------ */
 /* Dispatch                                                            */
 
-LORAHOOK_I8_FN void lorahook_i8_down(const int8_t *a8, const float *sa, int rank,
+LORAHOOK_I8_FN void lorahook_i8_shrink(const int8_t *a8, const float *sa, int rank,
                                      int d_in, const float *const *x, int nx, const float *alpha,
                                      float *t) {
 #if LORAHOOK_I8_X86
     if (lh_isa_active() >= LH_ISA_AVX2) {
-        lorahook_i8_down_avx2(a8, sa, rank, d_in, x, nx, alpha, t);
+        lorahook_i8_shrink_avx2(a8, sa, rank, d_in, x, nx, alpha, t);
         return;
     }
 #endif
-    lorahook_i8_down_c(a8, sa, rank, d_in, x, nx, alpha, t);
+    lorahook_i8_shrink_c(a8, sa, rank, d_in, x, nx, alpha, t);
 }
 
-LORAHOOK_I8_FN void lorahook_i8_up(const int8_t *bt8, const float *sb, int rank,
+LORAHOOK_I8_FN void lorahook_i8_expand(const int8_t *bt8, const float *sb, int rank,
                                    int d_out, const float *t, int nx, float *const *y) {
 #if LORAHOOK_I8_X86
     if (lh_isa_active() >= LH_ISA_AVX2) {
-        lorahook_i8_up_avx2(bt8, sb, rank, d_out, t, nx, y);
+        lorahook_i8_expand_avx2(bt8, sb, rank, d_out, t, nx, y);
         return;
     }
 #endif
-    lorahook_i8_up_c(bt8, sb, rank, d_out, t, nx, y);
+    lorahook_i8_expand_c(bt8, sb, rank, d_out, t, nx, y);
 }
 
 #endif /* LORAHOOK_INT8_H */

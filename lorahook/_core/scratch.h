@@ -1,6 +1,6 @@
 /* Per-thread scratch memory for the kernels:
  *
- *   float *lorahook_scratch_slot(size_t n, int area, int *owned);
+ *   float *lorahook_scratch_area(size_t n, int area, int *owned);
  *
  * Static, touching no Python object: callable without the GIL.  The cache is
  * per translation unit: each compiled module that includes this header keeps
@@ -57,7 +57,7 @@ static void lorahook_make_key(void) {
 /* Returns a buffer of at least n floats, or NULL when out of memory.
    *owned is set to 1 when the caller must free() it (requests larger
    than the cache, or no thread-local storage available). */
-static float *lorahook_scratch_slot(size_t n, int area, int *owned) {
+static float *lorahook_scratch_area(size_t n, int area, int *owned) {
     lorahook_buf *b;
     *owned = 0;
     if (n == 0) n = 1;

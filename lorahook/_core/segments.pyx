@@ -38,8 +38,8 @@ from lorahook._core.checks cimport ROWS_F32, as_width
 from lorahook._core.halfconv cimport isa_cell, lh_isa_attach, narrow_h, widen_h
 from lorahook._core.gemm_rows cimport LH_SCRATCH_PRODUCTS, LH_SCRATCH_WEIGHTS, LH_SCRATCH_WIDENED
 from lorahook._core.gemm_rows cimport PRE_NONE, WKIND_INT8, Segment, gemm_rows, half_of
-from lorahook._core.gemm_rows cimport lorahook_scratch_slot
-from lorahook._core.gemm_rows cimport seg_down, seg_pre, seg_row, seg_scale
+from lorahook._core.gemm_rows cimport lorahook_scratch_area
+from lorahook._core.gemm_rows cimport seg_shrink, seg_pre, seg_row, seg_scale
 from scipy.linalg.cython_blas cimport sgemm
 
 cnp.import_array()
@@ -48,9 +48,9 @@ lh_isa_attach(isa_cell())  # the process's instruction-set target (isa.h)
 cdef extern from "int8.h" nogil:
     enum:
         LH_I8_ROWS
-    void lorahook_i8_down(const signed char *a8, const float *sa, int rank, int d_in,
+    void lorahook_i8_shrink(const signed char *a8, const float *sa, int rank, int d_in,
                           const float *const *x, int nx, const float *alpha, float *t) noexcept
-    void lorahook_i8_up(const signed char *bt8, const float *sb, int rank, int d_out,
+    void lorahook_i8_expand(const signed char *bt8, const float *sb, int rank, int d_out,
                         const float *t, int nx, float *const *y) noexcept
 
 cdef extern from "blas_path.h" nogil:
@@ -111,7 +111,7 @@ cdef int _row_loop(const Segment *s, const float *X, float *Y, int d_in, int d_o
     cdef float *yr
     cdef float *t = NULL
     if not s.direct:  # t = A x; a saved module's rows are one product and need none
-        t = lorahook_scratch_slot(<size_t>rank, LH_SCRATCH_PRODUCTS, &owned)
+        t = lorahook_scratch_area(<size_t>rank, LH_SCRATCH_PRODUCTS, &owned)
         if t == NULL:
             return -1
     for i in range(n):
@@ -160,7 +160,7 @@ cdef int _run_half_rows(const Segment *s, const uint16_t *X, uint16_t *Y, int d_
     chunk = n if n < cap else cap
     if chunk < 1:
         chunk = 1
-    cdef float *G = lorahook_scratch_slot(<size_t>chunk * (<size_t>d_in + d_out), LH_SCRATCH_WIDENED,
+    cdef float *G = lorahook_scratch_area(<size_t>chunk * (<size_t>d_in + d_out), LH_SCRATCH_WIDENED,
                                           &owned)
     if G == NULL:
         return -1
@@ -198,7 +198,7 @@ cdef int _run_int8(const Segment *s, const char *X, char *Y, int d_in, int d_out
     cdef float *ys[LH_I8_ROWS]
     cdef float alphas[LH_I8_ROWS]
     cdef size_t widened = 0 if kind == ROWS_F32 else <size_t>LH_I8_ROWS * (d_in + d_out)
-    cdef float *T = lorahook_scratch_slot(<size_t>LH_I8_ROWS * rank + widened, LH_SCRATCH_PRODUCTS,
+    cdef float *T = lorahook_scratch_area(<size_t>LH_I8_ROWS * rank + widened, LH_SCRATCH_PRODUCTS,
                                           &owned)
     if T == NULL:
         return -1
@@ -218,8 +218,8 @@ cdef int _run_int8(const Segment *s, const char *X, char *Y, int d_in, int d_out
                 widen_h(<const uint16_t *>Y + r * d_out, D + j * d_out, d_out, hk)
                 xs[j] = G + j * d_in
                 ys[j] = D + j * d_out
-        lorahook_i8_down(s.a8, s.a_scale, rank, d_in, xs, c, alphas, T)
-        lorahook_i8_up(s.b8, s.b_scale, rank, d_out, T, c, ys)
+        lorahook_i8_shrink(s.a8, s.a_scale, rank, d_in, xs, c, alphas, T)
+        lorahook_i8_expand(s.b8, s.b_scale, rank, d_out, T, c, ys)
         for j in range(c):
             if s.bias != NULL:
                 _blas.axpy(d_out, alphas[j], s.bias, ys[j])
@@ -247,7 +247,7 @@ cdef int _run_segment_any(const Segment *s, const char *X, char *Y, int d_in, in
     if s.wkind == WKIND_INT8:  # read in place at every row count
         return _run_int8(s, X, Y, d_in, d_out, kind)
     if s.wkind >= 0:
-        W = lorahook_scratch_slot(<size_t>s.rank * (<size_t>d_in + d_out) + d_out,
+        W = lorahook_scratch_area(<size_t>s.rank * (<size_t>d_in + d_out) + d_out,
                                   LH_SCRATCH_WEIGHTS, &owned)
         if W == NULL:
             return -1
@@ -300,14 +300,14 @@ cdef int _run_embedding(const Segment *s, const int64_t *ids, char *Y, int num_e
         return 0
     hk = half_of(kind)
     if s.wkind >= 0:  # 16-bit LoRA factors: B widened once, A read per element
-        W = lorahook_scratch_slot(<size_t>rank * d_out, LH_SCRATCH_WEIGHTS, &owned_w)
+        W = lorahook_scratch_area(<size_t>rank * d_out, LH_SCRATCH_WEIGHTS, &owned_w)
         if W == NULL:
             return -1
         widen_h(<const uint16_t *>s.b16, W, <size_t>rank * d_out, s.wkind)
         bt = W
     cdef Py_ssize_t chunk = _EMBEDDING_CHUNK_ROWS if n > _EMBEDDING_CHUNK_ROWS else n
     cdef Py_ssize_t t_cols = 0 if s.direct else rank
-    cdef float *T = lorahook_scratch_slot(<size_t>chunk * (t_cols + d_out) + d_out, LH_SCRATCH_PRODUCTS,
+    cdef float *T = lorahook_scratch_area(<size_t>chunk * (t_cols + d_out) + d_out, LH_SCRATCH_PRODUCTS,
                                           &owned)
     if T == NULL:
         if owned_w:
@@ -344,7 +344,7 @@ cdef int _run_embedding(const Segment *s, const int64_t *ids, char *Y, int num_e
                     q = c - j if c - j < LH_I8_ROWS else LH_I8_ROWS
                     for i in range(q):
                         ys[i] = D + (j + i) * d_out
-                    lorahook_i8_up(s.b8, s.b_scale, rank, d_out, T + j * rank, <int>q, ys)
+                    lorahook_i8_expand(s.b8, s.b_scale, rank, d_out, T + j * rank, <int>q, ys)
                     j += <int>q
             else:
                 _blas.gemm(False, False, c, d_out, rank, 1.0, T, rank, bt, d_out, 0.0, D, d_out)

@@ -20,7 +20,7 @@ from libc.stdlib cimport calloc, free
 
 from lorahook._core.halfconv cimport isa_cell, lh_isa_attach
 from lorahook._core.checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, check_type, refuse_overlap
-from lorahook._core.gemm_rows cimport LH_SCRATCH_PRODUCTS, lorahook_scratch_slot
+from lorahook._core.gemm_rows cimport LH_SCRATCH_PRODUCTS, lorahook_scratch_area
 from lorahook._core.slot_rows cimport SlotRows, half_bits, rows_kind, weights_kind
 
 import numpy as np
@@ -503,7 +503,7 @@ cdef int _run_pairs(SlotRows groups, SlotPairs pairs, const char *X, Py_ssize_t 
     cdef int own = 0
     pairs._busy += 1
     with nogil:
-        c.T = lorahook_scratch_slot(<size_t>(c.n_covered * pairs.t_floats), LH_SCRATCH_PRODUCTS,
+        c.T = lorahook_scratch_area(<size_t>(c.n_covered * pairs.t_floats), LH_SCRATCH_PRODUCTS,
                                     &own)
         if c.T != NULL:
             lh_pairs_run(&c, tp)

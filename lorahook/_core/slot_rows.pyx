@@ -37,7 +37,7 @@ from libc.stdlib cimport free
 from lorahook._core.checks cimport ROWS_BF16, ROWS_F16, ROWS_F32, check_type, refuse_overlap
 from lorahook._core.halfconv cimport isa_cell, lh_isa_attach, widen_h
 from lorahook._core.gemm_rows cimport LH_SCRATCH_WEIGHTS, PRE_NONE, Segment, gemm_rows, half_of
-from lorahook._core.gemm_rows cimport lorahook_scratch_slot
+from lorahook._core.gemm_rows cimport lorahook_scratch_area
 
 import numpy as np
 
@@ -206,7 +206,7 @@ cdef int _run(const _Stacks *w, SlotRows groups, const char *X, Py_ssize_t ldx, 
     cdef const float *Wb = NULL
     cdef Segment seg
     if a_wide + b_wide:
-        W = lorahook_scratch_slot(<size_t>(a_wide + b_wide), LH_SCRATCH_WEIGHTS, &owned)
+        W = lorahook_scratch_area(<size_t>(a_wide + b_wide), LH_SCRATCH_WEIGHTS, &owned)
         if W == NULL:
             return -1
     seg.a16 = seg.b16 = seg.bias16 = NULL
