@@ -34,11 +34,11 @@ ENTRY_POINTS = [
 
 
 def _ray_serve():
-    try:  # imports ray
-        import lorahook.ray_serve as rs
+    import lorahook.ray_serve as rs  # batch needs no ray
+    try:  # the names that do import it when first read
+        return [rs.batch, rs.multiplexed, rs.shared_resolver]
     except ImportError:
-        return []
-    return [rs.batch, rs.multiplexed, rs.shared_resolver]
+        return [rs.batch]
 
 
 def _name(obj):
