@@ -18,7 +18,7 @@ import numpy as np
 
 # rows, d_in, d_out, rank, adapters: a decode step, a small prefill, a large one
 
-from . import module_setup, preimport
+from . import first_module, module_setup, preimport
 
 # every benchmark here runs only where LORAHOOK_ASV_ONLY allows it
 setup = module_setup(__name__)
@@ -35,21 +35,10 @@ SHAPES = {
 
 def _slot_kernels():
     """(SlotRows, SlotPairs, apply_pairs, openmp_team) from whichever module this version has."""
-    try:
-        from lorahook._core.slot_pairs import SlotPairs, apply_pairs, openmp_team
-        from lorahook._core.slot_rows import SlotRows
-    except ImportError:
-        try:  # versions before lorahook._core
-            from lorahook._slot_pairs import SlotPairs, apply_pairs, openmp_team
-            from lorahook._slot_rows import SlotRows
-            return SlotRows, SlotPairs, apply_pairs, openmp_team
-        except ImportError:
-            pass
-        try:  # versions before the compiled core was split by what it computes
-            from lorahook._stacked import SlotPairs, SlotRows, apply_pairs, openmp_team
-        except ImportError:
-            raise NotImplementedError
-    return SlotRows, SlotPairs, apply_pairs, openmp_team
+    # lorahook._core (now), the modules before it, and the one before the core was split
+    pairs = first_module("lorahook._core.slot_pairs", "lorahook._slot_pairs", "lorahook._stacked")
+    rows = first_module("lorahook._core.slot_rows", "lorahook._slot_rows", "lorahook._stacked")
+    return rows.SlotRows, pairs.SlotPairs, pairs.apply_pairs, pairs.openmp_team
 
 
 class ProjectionDelta:

@@ -17,7 +17,6 @@ cdef extern from "halfconv.h" nogil:
     void narrow_h "lorahook_half_narrow" (const float *src, uint16_t *dst, size_t n, int kind) noexcept
 
 cdef const int *isa_cell() noexcept nogil
-cdef int active_isa() noexcept nogil
 cdef void widen_n(const uint16_t *src, float *dst, size_t n, int kind) noexcept nogil
 cdef void narrow_n(const float *src, uint16_t *dst, size_t n, int kind) noexcept nogil
 cdef int half_kind(object kind) except -1

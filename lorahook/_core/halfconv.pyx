@@ -35,7 +35,6 @@ cdef extern from "isa.h" nogil:
     int lh_isa_supported() noexcept
     int lh_isa_best() noexcept
     void lh_isa_attach(const int *cell) noexcept
-    int lh_isa_load(const int *cell) noexcept
     void lh_isa_store(int *cell, int isa) noexcept
 
 cdef extern from "halfconv.h" nogil:
@@ -51,11 +50,6 @@ lh_isa_attach(&_isa)
 cdef const int *isa_cell() noexcept nogil:
     """The process's target, for ``lh_isa_attach`` in every compiled module."""
     return &_isa
-
-
-cdef int active_isa() noexcept nogil:
-    """The target in force (an ``LH_ISA_*`` value)."""
-    return lh_isa_load(&_isa)
 
 
 cdef void widen_n(const uint16_t *src, float *dst, size_t n, int kind) noexcept nogil:
@@ -167,7 +161,7 @@ def set_isa(name):
     else:
         raise ValueError(f"the instruction set must be one of {list(_ISA_NAMES)} or None, "
                          f"got {name!r}")
-    old = _ISA_NAMES[active_isa()]
+    old = _ISA_NAMES[lh_isa_active()]
     lh_isa_store(&_isa, t)
     return old
 
@@ -180,7 +174,7 @@ def isas():
     ``env`` (the target the environment chose at import, or ``None``).
     """
     return {
-        "active": _ISA_NAMES[active_isa()],
+        "active": _ISA_NAMES[lh_isa_active()],
         "best": _ISA_NAMES[lh_isa_best()],
         "supported": supported_isas(),
         "needs": {n: lh_isa_needs(t).decode() for t, n in enumerate(_ISA_NAMES)},

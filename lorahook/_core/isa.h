@@ -88,8 +88,7 @@ LH_ISA_FN int lh_isa_best(void) {
     return LH_ISA_PORTABLE;
 }
 
-/* The owner's reads and writes of its cell. */
-LH_ISA_FN int lh_isa_load(const int *cell) { return __atomic_load_n(cell, __ATOMIC_RELAXED); }
+/* The owner's writes of its cell (its reads are lh_isa_active, attached to it). */
 LH_ISA_FN void lh_isa_store(int *cell, int isa) { __atomic_store_n(cell, isa, __ATOMIC_RELAXED); }
 
 /* This module's view of the process's target: the owner's cell once attached. */
